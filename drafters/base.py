@@ -45,6 +45,9 @@ class NoDrafter(Drafter):
 
     name = "none"
 
+    def __init__(self, target: object = None):
+        del target  # needs nothing from the target
+
     def prefill(self, state: TargetState) -> None:
         pass
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specbench.types import SamplingParams
 
@@ -53,9 +53,33 @@ class BenchConfig:
     baseline: bool = True  # run (or resume) the drafter=none run of the same config first, for speedup + lossless
 
 
+@dataclass
+class OutConfig:
+    root: str = "results"
+    experiment: str = "adhoc"
+
+
+@dataclass
+class RunConfig:
+    """The schema of conf/config.yaml (registered with Hydra's ConfigStore as `specbench_schema`)."""
+
+    model: ModelConfig = MISSING
+    drafter: Any = MISSING  # free-form: `_target_`, `name` and the drafter's own constructor arguments
+    dataset: DatasetConfig = MISSING
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    seed: int = 0
+    out: OutConfig = field(default_factory=OutConfig)
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="specbench_schema", node=RunConfig)
+
+
 def to_dataclass(cls: type, node: DictConfig | dict[str, Any]) -> Any:
     """Validate a config node against a dataclass schema (raises on unknown keys / wrong types)."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
 
 
-__all__ = ["ModelConfig", "DatasetConfig", "DecodingConfig", "BenchConfig", "to_dataclass", "field"]

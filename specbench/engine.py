@@ -16,7 +16,7 @@ import torch
 from drafters.base import HIDDEN, KV, Drafter
 from specbench.sampling import logits_to_probs, sample
 from specbench.target import TargetModel, cache_kv, compact_cache
-from specbench.tree import node_depths
+from specbench.tree import is_chain, node_depths
 from specbench.types import SamplingParams, TargetState, VerifyResult
 from specbench.verify import greedy_accept, rejection_accept
 
@@ -45,6 +45,7 @@ class Generation:
     depth_accepts: list[int] = field(default_factory=list)  # [d-1]: steps that accepted a node at depth d
     recovered: int = 0  # steps that ended with a recovered (not bonus) token
     stopped_by: str = "max_new_tokens"  # or "eos"
+    chain: bool = True  # every drafted tree was a chain (Leviathan's formula applies)
 
     @property
     def tau(self) -> float:
@@ -139,6 +140,7 @@ class Engine:
             gen.tokens_per_step.append(len(emitted))
             gen.tree_sizes.append(len(node_tokens))
             gen.recovered += int(acc.recovered)
+            gen.chain &= is_chain(parents)
             _count_depths(gen, parents, acc.path)
             if done:
                 break

@@ -3,3 +3,7 @@
 
 class SpecbenchError(Exception):
     """Bad input or a missing resource, with a message that says what to do about it."""
+
+
+class MissingResource(SpecbenchError):
+    """A file or package that is not on this machine (a data loader may then try the hub)."""

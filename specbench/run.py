@@ -1,0 +1,238 @@
+"""`python -m specbench.run drafter=<name> dataset=<name> [overrides]`: one run (or a `-m` sweep) of a drafter over a
+question set through the shared engine, written to results/<experiment>/<run>/."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from drafters.base import Drafter
+from specbench import envinfo
+from specbench.config import BenchConfig, DatasetConfig, DecodingConfig, ModelConfig, register_schema, to_dataclass
+from specbench.data import Question, load_questions
+from specbench.engine import Engine, Generation
+from specbench.errors import SpecbenchError
+from specbench.metrics import PeakMemory, summarize
+from specbench.models import chat_prompt_ids, load_model
+from specbench.records import RunDir, atomic_write_json
+from specbench.target import TargetModel
+
+log = logging.getLogger("specbench")
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = ("model", "drafter", "dataset", "decoding", "bench")
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """One-line error for an unknown model/drafter/dataset name, before Hydra prints its multi-line report."""
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if not eq or key not in GROUPS or value.startswith(("glob(", "range(", "choice(")):
+            continue
+        valid = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+        for v in value.split(","):
+            if v and v not in valid:
+                raise SpecbenchError(f"unknown {key} {v!r}; valid: {', '.join(valid)}")
+
+
+def config_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def run_name(model: str, drafter: dict, dataset: dict, decoding: dict, bench: BenchConfig, seed: int) -> str:
+    """Everything that changes the records goes into the name, so that runs of different configs never mix."""
+    key = {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": bench.repeats,
+           "seed": seed}
+    return f"{model}__{drafter['name']}__{dataset['name']}__T{decoding['temperature']:g}__{config_hash(key)}"
+
+
+def turn_seed(seed: int, repeat: int, qid: str, turn: int) -> int:
+    return zlib.crc32(f"{seed}/{repeat}/{qid}/{turn}".encode())
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class Runner:
+    """Holds the loaded target for one job; runs the baseline and the drafter over one question set."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
+        self.dataset_cfg: DatasetConfig = to_dataclass(DatasetConfig, cfg.dataset)
+        self.decoding: DecodingConfig = to_dataclass(DecodingConfig, cfg.decoding)
+        self.bench: BenchConfig = to_dataclass(BenchConfig, cfg.bench)
+        if self.decoding.max_new_tokens < 1:
+            raise SpecbenchError("decoding.max_new_tokens must be >= 1")
+        if self.bench.repeats < 1 or self.bench.warmup < 0:
+            raise SpecbenchError("bench.repeats must be >= 1 and bench.warmup >= 0")
+        self.questions = load_questions(self.dataset_cfg)
+        model, tok, device = load_model(self.model_cfg)
+        self.target = TargetModel(model, tok, device, self.model_cfg.name)
+        self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
+        self._check_prompts()
+
+    def prompt_ids(self, q: Question, turn: int, answers: list[str]) -> list[int]:
+        messages: list[dict[str, str]] = []
+        for i in range(turn):
+            messages += [{"role": "user", "content": q.turns[i]}, {"role": "assistant", "content": answers[i]}]
+        messages.append({"role": "user", "content": q.turns[turn]})
+        ids = chat_prompt_ids(self.target.tokenizer, messages, self.model_cfg.system_prompt)
+        limit = self.target.max_positions
+        if limit and len(ids) + self.decoding.max_new_tokens > limit:
+            raise SpecbenchError(
+                f"question {q.question_id} turn {turn + 1}: prompt of {len(ids)} tokens + max_new_tokens "
+                f"{self.decoding.max_new_tokens} exceeds the context of {self.model_cfg.name} ({limit} tokens)"
+            )
+        return ids
+
+    def _check_prompts(self) -> None:
+        """Fail before anything is written when a first turn cannot fit."""
+        for q in self.questions:
+            self.prompt_ids(q, 0, [])
+
+    def run_dir_for(self, drafter_node: DictConfig) -> tuple[RunDir, dict]:
+        drafter = OmegaConf.to_container(drafter_node, resolve=True)
+        dataset = OmegaConf.to_container(self.cfg.dataset, resolve=True)
+        decoding = OmegaConf.to_container(self.cfg.decoding, resolve=True)
+        name = run_name(self.model_cfg.name, drafter, dataset, decoding, self.bench, self.cfg.seed)
+        return RunDir(self.exp_dir / name), drafter
+
+    def make_drafter(self, node: DictConfig) -> Drafter:
+        spec = OmegaConf.to_container(node, resolve=True)
+        spec.pop("name", None)
+        try:
+            return instantiate(spec, target=self.target, _convert_="object")
+        except Exception as e:  # noqa: BLE001 - Hydra wraps constructor errors; report them in one line
+            cause = e.__cause__ or e
+            if isinstance(cause, SpecbenchError):
+                raise cause from None
+            raise SpecbenchError(f"drafter {node.get('name')!r} could not be built: {cause}") from None
+
+    def execute(self) -> RunDir:
+        baseline_node = OmegaConf.load(CONF_DIR / "drafter" / "none.yaml")
+        baseline_dir, _ = self.run_dir_for(baseline_node)
+        is_baseline = self.cfg.drafter.name == "none"
+        if not is_baseline and self.bench.baseline:
+            self.run_one(baseline_node, None)
+        run_dir, _ = self.run_dir_for(self.cfg.drafter)
+        base = baseline_dir if (not is_baseline and baseline_dir.exists()) else None
+        self.run_one(self.cfg.drafter, base)
+        return run_dir
+
+    def run_one(self, node: DictConfig, baseline: RunDir | None) -> RunDir:
+        run_dir, drafter_spec = self.run_dir_for(node)
+        done = run_dir.done_keys()
+        todo = [(r, q) for r in range(self.bench.repeats) for q in self.questions if (r, q.question_id) not in done]
+        if not run_dir.exists():
+            atomic_write_json(run_dir.run_json, {
+                "run": run_dir.path.name,
+                "experiment": self.cfg.out.experiment,
+                "config": OmegaConf.to_container(self.cfg, resolve=True) | {"drafter": drafter_spec},
+                "git": envinfo.git_commit(),
+                "date": envinfo.now_utc(),
+                "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                "env": envinfo.device_info(self.target.device),
+                "versions": envinfo.versions(),
+            })
+        if todo:
+            torch.manual_seed(self.cfg.seed)
+            engine = Engine(self.target, self.make_drafter(node), self.decoding.sampling())
+            self._decode(run_dir, engine, todo, baseline, node.name)
+        base_records = baseline.records() if baseline else None
+        summary = {"run": run_dir.path.name, "drafter": node.name, "dataset": self.dataset_cfg.name,
+                   "model": self.model_cfg.name, "temperature": self.decoding.temperature,
+                   "baseline_run": baseline.path.name if baseline else None,
+                   **summarize(run_dir.records(), base_records)}
+        atomic_write_json(run_dir.summary_path, summary)
+        log.info("%s: %s", run_dir.path, _headline(summary))
+        return run_dir
+
+    def _decode(self, run_dir: RunDir, engine: Engine, todo: list, baseline: RunDir | None, label: str) -> None:
+        reference = {}
+        if baseline is not None and self.decoding.temperature == 0:
+            reference = {(r["question_id"], r["turn"]): r["new_token_ids"] for r in baseline.records() if r["repeat"] == 0}
+        dev = self.target.device
+        mem = PeakMemory(dev)
+        tok = self.target.tokenizer
+        for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches
+            engine.generate(self.prompt_ids(todo[0][1], 0, []), min(self.decoding.max_new_tokens, 32),
+                            torch.Generator(dev).manual_seed(self.cfg.seed))
+        total = sum(len(q.turns) for _, q in todo)
+        with tqdm(total=total, desc=f"{label} {self.dataset_cfg.name}", unit="turn", dynamic_ncols=True) as bar:
+            for repeat, q in todo:
+                answers: list[str] = []
+                rows = []
+                for turn in range(len(q.turns)):
+                    ids = self.prompt_ids(q, turn, answers)
+                    gen_rng = torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, repeat, q.question_id, turn))
+                    mem.reset()
+                    g = engine.generate(ids, self.decoding.max_new_tokens, gen_rng)
+                    rows.append(self._record(q, turn, repeat, g, mem.read(), reference.get((q.question_id, turn))))
+                    answers.append(tok.decode(g.new_tokens, skip_special_tokens=True).strip())
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{rows[-1]['tokens_per_s']:.1f}", tau=f"{g.tau:.2f}")
+                run_dir.append(rows)  # all turns of a question at once: resume never sees half a conversation
+
+    @staticmethod
+    def _record(q: Question, turn: int, repeat: int, g: Generation, mem: dict, ref: list[int] | None) -> dict:
+        return {
+            "question_id": q.question_id, "category": q.category, "turn": turn, "repeat": repeat,
+            "prompt_tokens": g.prompt_tokens, "new_tokens": len(g.new_tokens), "new_token_ids": g.new_tokens,
+            "wall_s": g.wall_s, "prefill_s": g.prefill_s, "tokens_per_s": len(g.new_tokens) / g.wall_s,
+            "steps": g.steps, "tau": g.tau if g.steps else None, "tokens_per_step": g.tokens_per_step,
+            "tree_sizes": g.tree_sizes, "depth_trials": g.depth_trials, "depth_accepts": g.depth_accepts,
+            "recovered": g.recovered, "chain": g.chain, "draft_s": g.draft_s, "verify_s": g.verify_s,
+            "stopped_by": g.stopped_by, **mem,
+            "matches_baseline": None if ref is None else ref == g.new_tokens,
+            "first_divergence": None if ref is None else first_divergence(g.new_tokens, ref),
+        }
+
+
+def _headline(s: dict) -> str:
+    parts = [f"{s['tokens_per_s']['mean']:.2f} tok/s"]
+    if s.get("speedup"):
+        parts.append(f"speedup {s['speedup']['mean']:.2f}x")
+    if s.get("tau_micro"):
+        parts.append(f"tau {s['tau_micro']:.2f}")
+    if s["lossless"]["compared"]:
+        parts.append(f"lossless {s['lossless']['matches']}/{s['lossless']['compared']}")
+    return ", ".join(parts)
+
+
+register_schema()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        Runner(cfg).execute()
+    except SpecbenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    try:
+        check_group_choices(sys.argv[1:])
+    except SpecbenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
