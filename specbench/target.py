@@ -34,7 +34,7 @@ class TargetModel:
         self.hidden_size = cfg.hidden_size
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos = eos if eos is not None else tokenizer.eos_token_id
+        eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     @property
