@@ -26,8 +26,9 @@ from specbench import envinfo
 from specbench.config import register_schema
 from specbench.engine import Engine, sync
 from specbench.errors import SpecbenchError
+from specbench.models import pick_device
 from specbench.records import atomic_write_json
-from specbench.run import CONF_DIR, Runner, check_group_choices, config_hash
+from specbench.run import CONF_DIR, Runner, cli, config_hash, fail
 
 log = logging.getLogger("specbench.perf")
 
@@ -136,31 +137,19 @@ def _main(cfg: DictConfig) -> None:
     try:
         report = run_perf(cfg)
     except SpecbenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(e)
     print_report(report)
     name = f"{cfg.model.name}__perf__{config_hash(OmegaConf.to_container(cfg, resolve=True))}"
     out = Path(cfg.out.root) / cfg.out.experiment / name / "perf.json"
     atomic_write_json(out, {"report": report, "config": OmegaConf.to_container(cfg, resolve=True),
                             "git": envinfo.git_commit(), "date": envinfo.now_utc(),
                             "command": " ".join(["specbench.perf", *sys.argv[1:]]),
-                            "env": envinfo.device_info(runner_device(cfg)), "versions": envinfo.versions()})
+                            "env": envinfo.device_info(pick_device(cfg.model.device)), "versions": envinfo.versions()})
     print(f"written: {out}")
 
 
-def runner_device(cfg: DictConfig) -> torch.device:
-    from specbench.models import pick_device
-
-    return pick_device(cfg.model.device)
-
-
 def main() -> None:
-    try:
-        check_group_choices(sys.argv[1:])
-    except SpecbenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    _main()
+    cli(_main)
 
 
 if __name__ == "__main__":

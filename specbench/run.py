@@ -216,22 +216,30 @@ def _headline(s: dict) -> str:
 register_schema()
 
 
+def fail(e: SpecbenchError) -> None:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def cli(hydra_entry) -> None:
+    """Check group names (one-line errors) before handing argv to a Hydra entry point."""
+    try:
+        check_group_choices(sys.argv[1:])
+    except SpecbenchError as e:
+        fail(e)
+    hydra_entry()
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         Runner(cfg).execute()
     except SpecbenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(e)
 
 
 def main() -> None:
-    try:
-        check_group_choices(sys.argv[1:])
-    except SpecbenchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    _hydra_main()
+    cli(_hydra_main)
 
 
 if __name__ == "__main__":
