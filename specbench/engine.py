@@ -154,6 +154,7 @@ class Engine:
                 recovered=acc.recovered,
                 num_nodes=len(node_tokens),
                 emitted=emitted,
+                hidden=state.hidden,
             )
             drafter.on_verified(result, state)
         sync(dev)

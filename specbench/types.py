@@ -82,6 +82,8 @@ class VerifyResult:
     recovered: bool  # True: next_token was sampled from the residual after rejecting a child; False: bonus
     num_nodes: int  # N, the size of the tree that was verified
     emitted: list[int] = field(default_factory=list)  # tokens actually appended (accepted + next, cut at EOS / max)
+    hidden: torch.Tensor | None = None  # [B, A+1, H] target last hidden states of the root and the accepted nodes
+    #                                     (None unless the drafter declares needs "hidden")
 
     @property
     def accept_length(self) -> int:

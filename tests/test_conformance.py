@@ -109,3 +109,37 @@ def test_drafter_state_rolls_back_over_many_steps(name):
         fresh.prefill(state)
         again = fresh.propose(state)
         assert torch.equal(again.tokens, tree_tokens) and torch.equal(again.parents, tree_parents)
+
+
+class Probe(RandomTreeDrafter):
+    """Random trees, and a log of what the engine hands over after each step."""
+
+    needs = frozenset({HIDDEN, KV})
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen = []
+
+    def on_verified(self, result, state):
+        kv = [(k.clone(), v.clone()) for k, v in state.kv]
+        self.seen.append((state.tokens.clone(), result.hidden.clone(), kv, len(result.accepted_nodes)))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_hidden_states_and_compacted_cache_equal_a_plain_forward(seed):
+    """After gathers of non-contiguous accepted nodes, the target cache and the accepted-path hidden states are exactly
+    those of an ordinary causal forward over the verified tokens."""
+    target = target_for(seed=seed)
+    ref = hf_greedy(target.model, PROMPTS[0], 40)
+    probe = Probe(128, ref, seed=seed)
+    Engine(target, probe, SamplingParams()).generate(PROMPTS[0], 40)
+    assert any(n >= 2 for *_, n in probe.seen)
+    for tokens, hidden, kv, n_acc in probe.seen:
+        cache = target.new_cache()
+        fwd = target.prefill(tokens[:, :-1], cache)  # the cache holds every verified token but the root
+        t = tokens.shape[1]
+        assert hidden.shape[1] == n_acc + 1
+        torch.testing.assert_close(hidden, fwd.hidden[:, t - 2 - n_acc : t - 1], atol=1e-4, rtol=1e-4)
+        for (k, v), (k0, v0) in zip(kv, cache_kv(cache)):
+            torch.testing.assert_close(k, k0, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v, v0, atol=1e-4, rtol=1e-4)
