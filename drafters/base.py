@@ -14,7 +14,10 @@ target's frozen weights (embeddings, LM head) at construction is allowed and is 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
 
 from specbench.types import DraftTree, TargetState, VerifyResult
 
@@ -56,3 +59,30 @@ class NoDrafter(Drafter):
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         pass
+
+
+class TrainableDrafter(Drafter):
+    """A drafter with trained weights. Each method supplies only its module, its loss and its own-prediction chain;
+    the shared trainer (specbench/train.py) does data, features, optimisation, validation, checkpoints and DDP.
+
+    Training batches (specbench.train.Batch) carry, right-padded to the longest sequence:
+      input_ids [B, T], loss_mask [B, T] (1 on assistant tokens), attn_mask [B, T] (1 on real tokens),
+      hidden [B, T, H] (the frozen target's last hidden states, noise already applied where configured).
+    """
+
+    @classmethod
+    @abstractmethod
+    def build_module(cls, target, **options) -> "torch.nn.Module":
+        """Fresh trainable weights for `target` (frozen target weights may be copied or referenced, never trained)."""
+
+    @classmethod
+    @abstractmethod
+    def training_loss(cls, module, batch, target) -> tuple["torch.Tensor", dict[str, float]]:
+        """Scalar loss and named parts (for the logs)."""
+
+    @classmethod
+    @abstractmethod
+    def chain_predict(cls, module, input_ids, hidden, positions, depth: int, target) -> "torch.Tensor":
+        """Greedy chain drafting on the drafter's own predictions, for validation: for each root position t in
+        `positions` (the root is input_ids[t]; target hidden states are known for tokens < t), the `depth` tokens the
+        drafter proposes for t+1 .. t+depth. input_ids [T], hidden [T, H] -> [P, depth]."""

@@ -2,51 +2,59 @@
 that shares the target's tokenizer drafts a chain of gamma tokens x_i ~ q_i(x) (argmax at T=0); the engine verifies
 them with min(1, p/q) and samples the recovered token from norm(max(0, p - q)).
 
-The draft model is any HF causal LM with the target's vocabulary (`model_path`), or, when none is given, a copy of the
-target that keeps only `keep_layers` of its decoder layers (an untrained early-exit model: a weak but honest drafter
-until the distilled one from the training pipeline exists). The drafter keeps its own KV cache and crops it back to
-the verified prefix after each step.
+Draft model, in order of precedence:
+- `model_path`: any HF causal LM with the target's vocabulary (e.g. JackFram/llama-68m for Llama-2);
+- otherwise our own small Llama, as MoA's "Independent" baseline (papers/002): the target's embeddings and LM head
+  (shared, frozen, not saved) and `len(module.init_layers)` decoder layers initialised from those target layers
+  (negative indices count from the end), trained by distillation, KL(p_target || q_draft) on assistant tokens, by the
+  shared trainer (`python -m specbench.train drafter=sd`). `checkpoint` loads the trained layers; without one the
+  module is the untrained layer-truncated target (lossless, weak).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from drafters.base import Drafter
+from drafters.base import TrainableDrafter
+from specbench.checkpoints import load_checkpoint
 from specbench.errors import SpecbenchError
 from specbench.sampling import logits_to_probs, sample
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
-def keep_decoder_layers(model: PreTrainedModel, layers: list[int]) -> PreTrainedModel:
-    """A new model of the same class holding copies of `layers` (in order), the embeddings, final norm and LM head."""
-    n = model.config.num_hidden_layers
-    if not layers or any(not 0 <= i < n for i in layers):
-        raise SpecbenchError(f"keep_layers must name layers in 0..{n - 1}, got {layers}")
-    cfg = model.config.__class__.from_dict(model.config.to_dict())
+def small_llama(target, init_layers: list[int]) -> PreTrainedModel:
+    """A stock HF causal LM of the target's class with copies of `init_layers` and the target's own embedding and
+    LM head modules (shared by reference, frozen)."""
+    big = target.model
+    n = big.config.num_hidden_layers
+    layers = [i % n for i in init_layers]
+    if not layers or any(not -n <= i < n for i in init_layers):
+        raise SpecbenchError(f"sd: init_layers must index the target's {n} layers, got {list(init_layers)}")
+    cfg = big.config.__class__.from_dict(big.config.to_dict())
     cfg.num_hidden_layers = len(layers)
     if getattr(cfg, "layer_types", None):
-        cfg.layer_types = [model.config.layer_types[i] for i in layers]
-    small = type(model)(cfg).to(dtype=model.dtype, device=model.device)
-    remap = {f".layers.{i}.": f".layers.{j}." for j, i in enumerate(layers)}
-    state = {}
-    for key, value in model.state_dict().items():
-        if ".layers." in key:
-            head, rest = key.split(".layers.", 1)
-            idx, tail = rest.split(".", 1)
-            new = remap.get(f".layers.{idx}.")
-            if new is None:
-                continue
-            key = f"{head}{new}{tail}"
-        state[key] = value.clone()
-    small.load_state_dict(state, strict=True)
-    return small.eval().requires_grad_(False)
+        cfg.layer_types = [big.config.layer_types[i] for i in layers]
+    small = type(big)(cfg).to(dtype=big.dtype, device=big.device)
+    decoder, big_decoder = small.get_decoder(), big.get_decoder()
+    with torch.no_grad():
+        for j, i in enumerate(layers):
+            decoder.layers[j].load_state_dict(big_decoder.layers[i].state_dict(), strict=True)
+        decoder.norm.load_state_dict(big_decoder.norm.state_dict(), strict=True)
+    decoder.embed_tokens = big_decoder.embed_tokens  # shared: the target's, frozen
+    small.lm_head = big.get_output_embeddings()
+    small.requires_grad_(True)
+    decoder.embed_tokens.requires_grad_(False)
+    small.lm_head.requires_grad_(False)
+    return small
 
 
-class IndependentDrafter(Drafter):
+class IndependentDrafter(TrainableDrafter):
     name = "sd"
 
-    def __init__(self, target, gamma: int = 5, model_path: str | None = None, keep_layers: list[int] | None = None):
+    def __init__(self, target, gamma: int = 5, model_path: str | None = None, checkpoint: str | None = None,
+                 module: dict | None = None):
         if gamma < 1:
             raise SpecbenchError("sd: gamma must be >= 1")
         self.gamma = gamma
@@ -55,15 +63,56 @@ class IndependentDrafter(Drafter):
                 self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=target.dtype).to(target.device)
             except OSError as e:
                 raise SpecbenchError(f"sd: draft model {model_path!r} could not be loaded: {str(e).splitlines()[0]}") from None
-            self.model.eval().requires_grad_(False)
             vocab = self.model.get_output_embeddings().weight.shape[0]
             if vocab != target.vocab_size:
                 raise SpecbenchError(f"sd: draft model vocabulary {vocab} != target vocabulary {target.vocab_size}")
         else:
-            self.model = keep_decoder_layers(target.model, list(keep_layers or [0]))
+            options = dict(module or {})
+            if checkpoint:
+                from specbench.checkpoints import read_meta
+
+                options = read_meta(Path(checkpoint)).get("module", options)
+            self.model = self.build_module(target, **options)
+            if checkpoint:
+                load_checkpoint(Path(checkpoint), self.model, target, self.name)
+        self.model.eval().requires_grad_(False)
         self.cache: DynamicCache | None = None
         self.cached = 0  # tokens in self.cache: always a prefix of the verified tokens plus the last drafts
 
+    # ---- training side -------------------------------------------------------------------------------------------
+    @classmethod
+    def build_module(cls, target, init_layers: list[int] = (0, -1)) -> PreTrainedModel:
+        return small_llama(target, list(init_layers))
+
+    @classmethod
+    def training_loss(cls, module, batch, target):
+        logits = module(input_ids=batch.input_ids, attention_mask=batch.attn_mask).logits[:, :-1]  # [B, T-1, V]
+        with torch.no_grad():
+            p = target.lm_head(batch.hidden[:, :-1].to(target.dtype)).float().softmax(-1)  # teacher, [B, T-1, V]
+        mask = batch.loss_mask[:, 1:].bool()  # position t predicts token t+1
+        logq = logits.float().log_softmax(-1)[mask]
+        kl = (p[mask] * (p[mask].clamp_min(1e-12).log() - logq)).sum(-1).mean()
+        with torch.no_grad():
+            top1 = (logq.argmax(-1) == p[mask].argmax(-1)).float().mean()
+        return kl, {"kl": kl.item(), "top1": top1.item()}
+
+    @classmethod
+    @torch.no_grad()
+    def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
+        out = []
+        for t in positions:
+            cache = DynamicCache(config=module.config)
+            logits = module(input_ids=input_ids[None, : t + 1], past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1]
+            row = []
+            for _ in range(depth):
+                x = logits.argmax(-1)
+                row.append(x)
+                logits = module(input_ids=x[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+            out.append(torch.cat(row))
+        return torch.stack(out)  # [P, depth]
+
+    # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self.cached = 0
@@ -96,3 +145,5 @@ class IndependentDrafter(Drafter):
         keep = before + min(result.accept_length, self.gamma - 1)
         self.cache.crop(keep - self.cached)
         self.cached = keep
+
+

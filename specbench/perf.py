@@ -102,7 +102,7 @@ def run_perf(cfg: DictConfig) -> dict:
     ref = outputs["hf-ar"]
     report = {
         "model": runner.model_cfg.name,
-        "draft_model": cfg.drafter.model_path or f"target layers {list(cfg.drafter.keep_layers)}",
+        "draft_model": cfg.drafter.model_path or cfg.drafter.checkpoint or f"untrained: target layers {list(cfg.drafter.module.init_layers)}",
         "gamma": sd.gamma, "prompts": len(prompts), "max_new_tokens": max_new, "repeats": runner.bench.repeats,
         "tokens_per_s": {m: {"mean": statistics.fmean(v), "std": statistics.pstdev(v)} for m, v in speeds.items()},
         "identical_to_hf_greedy": {m: outputs[m] == ref for m in methods},

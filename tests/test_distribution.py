@@ -72,7 +72,7 @@ def tv(counts: Counter, law: dict, n: int) -> float:
 
 
 DRAFTERS = {
-    "sd-sampling": lambda t: IndependentDrafter(t, gamma=3, keep_layers=[0, 1, 2]),
+    "sd-sampling": lambda t: IndependentDrafter(t, gamma=3, module={"init_layers": [0, 1, 2]}),
     "pld-deterministic": lambda t: PromptLookup(num_pred_tokens=4, max_ngram=2),
     "tree-iid-siblings": lambda t: RandomTreeDrafter(V, seed=5, sampling=True, max_depth=3, width=3),
     "tree-deterministic": lambda t: RandomTreeDrafter(V, seed=6, sampling=False, max_depth=3, width=3),
@@ -108,6 +108,6 @@ def test_the_chi_square_test_rejects_the_draft_models_law():
     t = target()
     params = SamplingParams(temperature=1.0)
     law = exact_law(t, params)
-    draft_only = TargetModel(IndependentDrafter(t, gamma=1, keep_layers=[0, 1, 2]).model, None, t.device, "draft")
-    counts = samples(draft_only, IndependentDrafter(t, gamma=1, keep_layers=[0]), params, 1000, seed=3)
+    draft_only = TargetModel(IndependentDrafter(t, gamma=1, module={"init_layers": [0, 1, 2]}).model, None, t.device, "draft")
+    counts = samples(draft_only, IndependentDrafter(t, gamma=1, module={"init_layers": [0]}), params, 1000, seed=3)
     assert chi2_pvalue(counts, law, 1000) < 1e-3

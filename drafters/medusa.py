@@ -1,0 +1,118 @@
+"""Medusa-1 (Cai et al. 2024; papers/001): K extra decoding heads on the frozen target's last hidden state.
+
+Head k (k = 1..K): h~ = SiLU(W1_k h_t) + h_t with W1_k initialised to 0, then p_t^(k) = softmax(W2 h~), predicting
+token y_{t+k+1} (the target's own LM head predicts y_{t+1}). Loss (Medusa-1, frozen backbone):
+    L = sum_k lambda_k * CE(p_t^(k), y_{t+k+1}),  lambda_k = decay^k (decay 0.8).
+Deviation from the paper: all heads share the target's frozen LM head as W2 (a separate 49,152 x 576 head per
+Medusa head would be 28M parameters each on the embedded target); only the W1_k are trained.
+
+Decoding: in our engine the root x_t has not been through the target yet, so the heads read h_{t-1} (the last
+hidden state the engine handed over), whose head k predicts x_{t+k}, i.e. tree depth k. Candidates form a sparse
+static tree of top-index paths (`tree`, as Medusa's sparse trees); they are deterministic (q = None), so verification
+is lossless at any temperature. Medusa's typical acceptance (lossy) is not offered.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.base import HIDDEN, TrainableDrafter
+from specbench.checkpoints import load_checkpoint, read_meta
+from specbench.errors import SpecbenchError
+from specbench.types import DraftTree, TargetState, VerifyResult
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.w1 = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        for lin in self.w1:  # W1 = 0: every head starts as the target's own next-token head
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> per-head features [..., K, H] (to be fed to the LM head)."""
+        return torch.stack([h + F.silu(w(h)) for w in self.w1], dim=-2)
+
+
+def tree_from_paths(paths: list[list[int]], depth: int) -> tuple[list[list[int]], list[int]]:
+    """Sort paths by (length, indices) and return them with the parent index of each."""
+    paths = sorted((list(p) for p in paths), key=lambda p: (len(p), p))
+    pos = {tuple(p): i for i, p in enumerate(paths)}
+    parents = []
+    for p in paths:
+        if not 1 <= len(p) <= depth:
+            raise SpecbenchError(f"medusa: tree path {p} longer than the {depth} heads")
+        if len(p) > 1 and tuple(p[:-1]) not in pos:
+            raise SpecbenchError(f"medusa: tree path {p} has no parent path {p[:-1]}")
+        parents.append(pos[tuple(p[:-1])] if len(p) > 1 else -1)
+    return paths, parents
+
+
+class MedusaDrafter(TrainableDrafter):
+    name = "medusa"
+    needs = frozenset({HIDDEN})
+
+    def __init__(self, target, checkpoint: str | None = None, module: dict | None = None,
+                 tree: list[list[int]] | None = None):
+        options = dict(module or {"num_heads": 4})
+        if checkpoint:
+            options = read_meta(Path(checkpoint)).get("module", options)
+        self.heads = self.build_module(target, **options).eval().requires_grad_(False)
+        if checkpoint:
+            load_checkpoint(Path(checkpoint), self.heads, target, self.name)
+        self.lm_head = target.lm_head  # the target's frozen LM head, shared (read only)
+        k = len(self.heads.w1)
+        self.paths, parents = tree_from_paths(tree or [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]][:k], k)
+        self.parents = torch.tensor([parents], device=target.device)
+        self.depth_idx = torch.tensor([len(p) - 1 for p in self.paths], device=target.device)
+        self.rank_idx = torch.tensor([p[-1] for p in self.paths], device=target.device)
+        self.topk = 1 + int(self.rank_idx.max())
+        self.last_h: torch.Tensor | None = None  # [B, H] hidden state of the token before the root
+
+    # ---- training side -------------------------------------------------------------------------------------------
+    @classmethod
+    def build_module(cls, target, num_heads: int = 4, decay: float = 0.8) -> MedusaHeads:
+        heads = MedusaHeads(target.hidden_size, num_heads).to(target.device)
+        heads.decay = decay
+        return heads
+
+    @classmethod
+    def training_loss(cls, module, batch, target):
+        feats = module(batch.hidden)  # [B, T, K, H]: a single forward through the (possibly DDP) module
+        k_heads = feats.shape[2]
+        decay = getattr(module, "module", module).decay
+        loss, parts = 0.0, {}
+        for k in range(1, k_heads + 1):  # head k reads h_t and predicts y_{t+k+1}
+            mask = batch.loss_mask[:, k + 1 :].bool()
+            logits = target.lm_head(feats[:, : -(k + 1), k - 1][mask].to(target.dtype)).float()
+            ce = F.cross_entropy(logits, batch.input_ids[:, k + 1 :][mask])
+            loss = loss + decay**k * ce
+            parts[f"ce{k}"] = ce.item()
+        return loss, parts
+
+    @classmethod
+    @torch.no_grad()
+    def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
+        idx = torch.tensor(positions, device=hidden.device) - 1  # the heads read h_{t-1} for root x_t
+        preds = target.lm_head(module(hidden[idx]).to(target.dtype)).argmax(-1)  # [P, K]
+        if depth > preds.shape[1]:
+            preds = torch.cat([preds, preds.new_full((len(positions), depth - preds.shape[1]), -1)], dim=1)
+        return preds[:, :depth]
+
+    # ---- decoding side -------------------------------------------------------------------------------------------
+    def prefill(self, state: TargetState) -> None:
+        self.last_h = state.hidden[:, -1]
+
+    @torch.inference_mode()
+    def propose(self, state: TargetState) -> DraftTree:
+        logits = self.lm_head(self.heads(self.last_h).to(self.lm_head.weight.dtype))  # [B, K, V]
+        top = logits.topk(self.topk, dim=-1).indices  # [B, K, topk]
+        tokens = top[:, self.depth_idx, self.rank_idx]  # [B, N]
+        return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1))
+
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        self.last_h = state.hidden[:, -1]

@@ -1,0 +1,76 @@
+"""Drafter checkpoints: `model.safetensors` (trainable weights only) + `config.json` (drafter, module options, the
+target's name and weight fingerprint, training config and metrics). Loading for another target is refused."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specbench.errors import SpecbenchError
+from specbench.features import DTYPES, fingerprint
+
+
+def own_state(module: torch.nn.Module, target) -> dict[str, torch.Tensor]:
+    """The drafter's own parameters: target weights the module shares by reference are not the drafter's to save."""
+    shared = {id(p) for p in target.model.parameters()}
+    return {k: p.detach() for k, p in module.named_parameters() if id(p) not in shared}
+
+
+def save_checkpoint(path: Path, module: torch.nn.Module, target, meta: dict[str, Any], dtype: str = "float32",
+                    extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Atomic: written to a temp dir, then renamed over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        state = {k: v.to(DTYPES[dtype]).contiguous().cpu() for k, v in own_state(module, target).items()}
+        save_file(state, str(tmp / "model.safetensors"))
+        if extra:
+            torch.save(extra, tmp / "trainer_state.pt")
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise SpecbenchError(f"no drafter checkpoint at {path} (config.json missing): train it with `make train`")
+    return json.loads(cfg.read_text())
+
+
+def target_fingerprint(target) -> str:
+    return fingerprint(target.model)
+
+
+def load_checkpoint(path: Path, module: torch.nn.Module, target, drafter: str) -> dict[str, Any]:
+    """Load trained weights into `module` after checking the checkpoint belongs to this drafter and this target."""
+    meta = read_meta(path)
+    if meta.get("drafter") != drafter:
+        raise SpecbenchError(f"checkpoint {path} is a {meta.get('drafter')!r} drafter, not {drafter!r}")
+    fp = target_fingerprint(target)
+    if meta.get("target_fingerprint") != fp:
+        raise SpecbenchError(f"checkpoint {path} was trained for target {meta.get('target')!r} "
+                             f"(fingerprint {meta.get('target_fingerprint')}), not the loaded {target.name!r} ({fp})")
+    state = load_file(str(Path(path) / "model.safetensors"))
+    expected = set(own_state(module, target))
+    if set(state) != expected:
+        raise SpecbenchError(f"checkpoint {path} does not fit the module: missing {sorted(expected - set(state))[:3]}, "
+                             f"unexpected {sorted(set(state) - expected)[:3]}")
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for k, v in state.items():
+            params[k].copy_(v.to(params[k].dtype))
+    return meta

@@ -1,0 +1,125 @@
+"""Offline target features: run the frozen target once per conversation and store what drafters train on.
+
+Per conversation: input_ids [T], loss_mask [T], hidden [T, H] (the target's last hidden state after the final norm,
+the input of its LM head: what EAGLE / Medusa / Beagle read) and, on request, the per-layer keys/values MoA reads.
+Stored as safetensors shards plus manifest.json (target name, weight fingerprint, dtype, counts, shards). Every shard
+is written atomically and recorded in the manifest as it completes, so an interrupted extraction resumes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from specbench.conversations import Encoded
+from specbench.errors import SpecbenchError
+from specbench.records import atomic_write_json
+from specbench.target import TargetModel, cache_kv
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A cheap, stable fingerprint of a model's weights: names, shapes and a strided sample of every tensor."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        h.update(flat[::step].to(torch.float32).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class FeatureSet:
+    """A directory of feature shards; loads one conversation at a time (shards stay memory-mapped)."""
+
+    path: Path
+    manifest: dict
+
+    @staticmethod
+    def open(path: Path, target_fingerprint: str | None = None) -> "FeatureSet":
+        mf = path / "manifest.json"
+        if not mf.is_file():
+            raise SpecbenchError(f"no feature manifest in {path}: run `python -m specbench.features` first")
+        manifest = json.loads(mf.read_text())
+        if not manifest.get("complete"):
+            raise SpecbenchError(f"features in {path} are incomplete: re-run the extraction to resume it")
+        if target_fingerprint and manifest["fingerprint"] != target_fingerprint:
+            raise SpecbenchError(f"features in {path} were made with target {manifest['target']} "
+                                 f"({manifest['fingerprint']}), not the loaded one ({target_fingerprint})")
+        return FeatureSet(path, manifest)
+
+    def __len__(self) -> int:
+        return self.manifest["count"]
+
+    def index(self) -> list[tuple[str, int]]:
+        return [(s["file"], j) for s in self.manifest["shards"] for j in range(s["count"])]
+
+    def load(self, file: str, j: int, kv: bool = False) -> dict[str, torch.Tensor]:
+        with safe_open(str(self.path / file), framework="pt") as f:
+            out = {k: f.get_tensor(f"{j}.{k}") for k in ("input_ids", "loss_mask", "hidden")}
+            if kv:
+                layers = self.manifest["num_layers"]
+                out["kv"] = [(f.get_tensor(f"{j}.k{l}"), f.get_tensor(f"{j}.v{l}")) for l in range(layers)]
+        out["input_ids"] = out["input_ids"].long()
+        return out
+
+
+def extract(target: TargetModel, convs: list[Encoded], out: Path, dtype: str = "bfloat16", shard_size: int = 64,
+            kv: bool = False, desc: str = "features") -> FeatureSet:
+    """Write (or resume) the shards for `convs` under `out`; returns the complete FeatureSet."""
+    if dtype not in DTYPES:
+        raise SpecbenchError(f"feature dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    fp = fingerprint(target.model)
+    mf = out / "manifest.json"
+    manifest = json.loads(mf.read_text()) if mf.is_file() else None
+    if manifest and manifest["fingerprint"] != fp:
+        raise SpecbenchError(f"{out} holds features of another target ({manifest['target']}); remove it or pick another dir")
+    if manifest is None:
+        manifest = {"target": target.name, "fingerprint": fp, "dtype": dtype, "kv": kv,
+                    "hidden_size": target.hidden_size, "num_layers": target.model.config.num_hidden_layers,
+                    "count": 0, "tokens": 0, "shards": [], "complete": False}
+    done = {s["file"] for s in manifest["shards"]}
+    groups = [convs[i : i + shard_size] for i in range(0, len(convs), shard_size)]
+    with tqdm(total=len(convs), desc=desc, unit="conv", dynamic_ncols=True) as bar:
+        for n, group in enumerate(groups):
+            file = f"shard-{n:05d}.safetensors"
+            if file in done:
+                bar.update(len(group))
+                continue
+            tensors: dict[str, torch.Tensor] = {}
+            for j, enc in enumerate(group):
+                ids = torch.tensor([enc.input_ids], device=target.device)
+                cache = target.new_cache()
+                fwd = target.forward(ids, cache, logits_rows=slice(0, 0))
+                tensors[f"{j}.input_ids"] = ids[0].to(torch.int32).cpu()
+                tensors[f"{j}.loss_mask"] = torch.tensor(enc.loss_mask, dtype=torch.uint8)
+                tensors[f"{j}.hidden"] = fwd.hidden[0].to(DTYPES[dtype]).cpu().contiguous()
+                if kv:
+                    for l, (k, v) in enumerate(cache_kv(cache)):
+                        tensors[f"{j}.k{l}"] = k[0].to(DTYPES[dtype]).cpu().contiguous()
+                        tensors[f"{j}.v{l}"] = v[0].to(DTYPES[dtype]).cpu().contiguous()
+                bar.update(1)
+            tmp = out / f".{file}.tmp"
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(tmp), metadata={"target": target.name, "fingerprint": fp})
+            tmp.rename(out / file)
+            tokens = sum(len(e.input_ids) for e in group)
+            manifest["shards"].append({"file": file, "count": len(group), "tokens": tokens,
+                                       "ids": [e.conv_id for e in group]})
+            manifest["count"] += len(group)
+            manifest["tokens"] += tokens
+            atomic_write_json(mf, manifest)
+    manifest["complete"] = True
+    atomic_write_json(mf, manifest)
+    size = sum((out / s["file"]).stat().st_size for s in manifest["shards"])
+    print(f"{desc}: {manifest['count']} conversations, {manifest['tokens']} tokens, {size / 2**20:.1f} MiB "
+          f"({size / max(manifest['tokens'], 1):.0f} bytes/token) in {out}")
+    return FeatureSet(out, manifest)

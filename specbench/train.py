@@ -1,0 +1,295 @@
+"""`python -m specbench.train drafter=<name> model=<target> train=<budget>`: one trainer for every drafter.
+
+1. conversations (specbench/conversations.py), chat-formatted, loss on assistant tokens;
+2. offline target features (specbench/features.py), extracted once and reused by every drafter and epoch;
+   validation data = held-out first user turns answered greedily by the target itself, so that a drafted token is
+   "accepted" exactly when it equals the target's greedy token (EAGLE's n-alpha in chain mode);
+3. AdamW (betas from the budget, fused on CUDA), linear warm-up, grad clipping, optional noise on target features,
+   fp32/TF32 or bf16 autocast; DDP under torchrun (gloo on CPU, nccl on CUDA);
+4. after every epoch: per-position acceptance with the drafter running on its own predictions, the simulated tau,
+   training tokens/s and peak memory, logged to <out>/log.jsonl; a resumable `last` checkpoint; `final` at the end.
+Each method supplies only build_module / training_loss / chain_predict (drafters/base.py: TrainableDrafter).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from drafters.base import TrainableDrafter
+from specbench import envinfo
+from specbench.checkpoints import load_checkpoint, read_meta, save_checkpoint, target_fingerprint
+from specbench.config import ModelConfig, TrainConfig, register_schema, to_dataclass
+from specbench.conversations import Encoded, encode, load_conversations
+from specbench.engine import Engine
+from specbench.errors import SpecbenchError
+from specbench.features import FeatureSet, extract
+from specbench.metrics import PeakMemory
+from specbench.models import chat_prompt_ids, load_model
+from specbench.run import cli, fail
+from specbench.target import TargetModel
+from drafters.base import NoDrafter
+from specbench.types import SamplingParams
+
+log = logging.getLogger("specbench.train")
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] int64, right-padded with 0
+    loss_mask: torch.Tensor  # [B, T] 1 on assistant tokens
+    attn_mask: torch.Tensor  # [B, T] 1 on real tokens
+    hidden: torch.Tensor  # [B, T, H] float32 target last hidden states (noise applied when configured)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.attn_mask.sum())
+
+
+def collate(items: list[dict], device: torch.device) -> Batch:
+    t = max(len(x["input_ids"]) for x in items)
+    b, h = len(items), items[0]["hidden"].shape[-1]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    loss = torch.zeros(b, t, dtype=torch.long)
+    attn = torch.zeros(b, t, dtype=torch.long)
+    hid = torch.zeros(b, t, h)
+    for i, x in enumerate(items):
+        n = len(x["input_ids"])
+        ids[i, :n], loss[i, :n], attn[i, :n], hid[i, :n] = x["input_ids"], x["loss_mask"], 1, x["hidden"].float()
+    return Batch(ids.to(device), loss.to(device), attn.to(device), hid.to(device))
+
+
+def add_noise(batch: Batch, kind: str, scale: float, gen: torch.Generator) -> None:
+    """EAGLE: uniform U(-s, s); Beagle: gaussian N(0, s); on the target features only."""
+    if kind == "none" or scale == 0:
+        return
+    shape, dev = batch.hidden.shape, batch.hidden.device
+    if kind == "uniform":
+        noise = (torch.rand(shape, generator=gen) * 2 - 1) * scale
+    elif kind == "gaussian":
+        noise = torch.randn(shape, generator=gen) * scale
+    else:
+        raise SpecbenchError(f"train.noise={kind!r} is not one of none, uniform, gaussian")
+    batch.hidden += noise.to(dev) * batch.attn_mask[..., None]
+
+
+def validation_data(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, val_convs) -> list[Encoded]:
+    """Held-out first user turns answered greedily by the target (the loss mask marks the answer)."""
+    eng = Engine(target, NoDrafter(), SamplingParams())
+    out = []
+    for conv in tqdm(val_convs, desc="validation answers", unit="conv", dynamic_ncols=True):
+        prompt = chat_prompt_ids(target.tokenizer, [{"role": "user", "content": conv.messages[0][1]}],
+                                 model_cfg.system_prompt)[-(cfg.max_len - cfg.val_new_tokens):]
+        answer = eng.generate(prompt, cfg.val_new_tokens).new_tokens
+        out.append(Encoded(conv.conv_id, prompt + answer, [0] * len(prompt) + [1] * len(answer)))
+    return out
+
+
+def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool, rank: int):
+    """Train and validation FeatureSets, extracted by rank 0 once (resumable), shared by every drafter."""
+    key = {"data": cfg.data_path, "n": cfg.conversations, "val": cfg.val_conversations, "max_len": cfg.max_len,
+           "dtype": cfg.features_dtype, "kv": kv, "val_new": cfg.val_new_tokens, "system": model_cfg.system_prompt}
+    tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    root = Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{target_fingerprint(target)}" / tag
+    if rank == 0:
+        try:
+            train_set = FeatureSet.open(root / "train")
+            val_set = FeatureSet.open(root / "val")
+        except SpecbenchError:
+            path = Path(cfg.data_path).expanduser() if cfg.data_path else None
+            train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
+            enc = [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))]
+            extract(target, enc, root / "train", cfg.features_dtype, kv=kv, desc="train features")
+            extract(target, validation_data(target, cfg, model_cfg, val_convs), root / "val", cfg.features_dtype,
+                    kv=kv, desc="val features")
+    if dist.is_initialized():
+        dist.barrier()
+    return FeatureSet.open(root / "train"), FeatureSet.open(root / "val")
+
+
+@torch.no_grad()
+def validate(cls: type[TrainableDrafter], module, val: FeatureSet, cfg: TrainConfig, target) -> dict:
+    """Chain drafting on the drafter's own predictions from evenly spaced roots inside the target's own answers:
+    alpha[n] = P(token n+1 accepted | tokens 1..n accepted); simulated tau = 1 + sum_n prod_{i<=n} alpha[i]."""
+    module.eval()
+    trials, accepts = [0] * cfg.val_depth, [0] * cfg.val_depth
+    for file, j in val.index():
+        x = val.load(file, j)
+        ids, hidden, mask = x["input_ids"].to(target.device), x["hidden"].float().to(target.device), x["loss_mask"]
+        start = int(mask.nonzero()[0])  # first answer token; roots are answer tokens with a full chain after them
+        last = len(ids) - 1 - cfg.val_depth
+        if last < start:
+            continue
+        positions = sorted({round(start + i * (last - start) / max(cfg.val_positions - 1, 1))
+                            for i in range(cfg.val_positions)})
+        preds = cls.chain_predict(module, ids, hidden, positions, cfg.val_depth, target).cpu()
+        for p, row in zip(positions, preds):
+            truth = ids[p + 1 : p + 1 + cfg.val_depth].cpu()
+            for d in range(cfg.val_depth):
+                trials[d] += 1
+                if row[d] != truth[d]:
+                    break
+                accepts[d] += 1
+    module.train()
+    alpha = [a / t if t else 0.0 for a, t in zip(accepts, trials)]
+    tau, run = 1.0, 1.0
+    for a in alpha:
+        run *= a
+        tau += run
+    return {"alpha": alpha, "alpha_trials": trials, "sim_tau": tau}
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    return cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.tc: TrainConfig = to_dataclass(TrainConfig, cfg.train)
+        self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
+        self.cls = get_class(cfg.drafter._target_)
+        if not (isinstance(self.cls, type) and issubclass(self.cls, TrainableDrafter)):
+            raise SpecbenchError(f"drafter {cfg.drafter.name!r} has nothing to train")
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        model, tok, device = load_model(self.model_cfg)
+        if device.type == "cuda" and self.world > 1:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            model.to(device)
+            torch.cuda.set_device(device)
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.target = TargetModel(model, tok, device, self.model_cfg.name)
+        self.out = Path(self.tc.out_dir) / self.model_cfg.name / cfg.drafter.name
+        self.module_options = OmegaConf.to_container(cfg.drafter.get("module") or {}, resolve=True)
+
+    def meta(self, epoch: int, step: int, metrics: dict) -> dict:
+        return {"drafter": self.cls.name, "module": self.module_options, "target": self.model_cfg.name,
+                "target_fingerprint": target_fingerprint(self.target), "train": asdict(self.tc), "epoch": epoch,
+                "step": step, "metrics": metrics, "git": envinfo.git_commit(), "date": envinfo.now_utc(),
+                "command": " ".join(["specbench.train", *sys.argv[1:]]), "world_size": self.world,
+                "env": envinfo.device_info(self.target.device), "versions": envinfo.versions()}
+
+    def run(self) -> Path:
+        tc, dev = self.tc, self.target.device
+        torch.manual_seed(tc.seed)
+        train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=getattr(self.cls, "needs_kv", False),
+                                              rank=self.rank)
+        module = self.cls.build_module(self.target, **self.module_options).to(dev)
+        module.train()
+        params = [p for p in module.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
+                                fused=dev.type == "cuda")
+        first_epoch, step = 0, 0
+        last = self.out / "last"
+        if tc.resume and (last / "config.json").is_file():
+            meta = load_checkpoint(last, module, self.target, self.cls.name)
+            opt.load_state_dict(torch.load(last / "trainer_state.pt", weights_only=True)["optimizer"])
+            first_epoch, step = meta["epoch"] + 1, meta["step"]
+            log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], step)
+        model = torch.nn.parallel.DistributedDataParallel(module) if self.world > 1 else module
+        index = train_set.index()
+        logf = self.out / "log.jsonl"
+        mem = PeakMemory(dev)
+        noise_gen = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
+        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
+        metrics: dict = {}
+        for epoch in range(first_epoch, tc.epochs):
+            order = list(range(len(index)))
+            random.Random(tc.seed + epoch).shuffle(order)
+            order = order[self.rank :: self.world]
+            batches = [order[i : i + tc.batch_size] for i in range(0, len(order), tc.batch_size)]
+            mem.reset()
+            t0, tokens, done = time.perf_counter(), 0, False
+            bar = tqdm(batches, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch",
+                       disable=self.rank != 0, dynamic_ncols=True)
+            for b in bar:
+                batch = collate([train_set.load(*index[i]) for i in b], dev)
+                add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, tc)
+                with autocast:
+                    loss, parts = self.cls.training_loss(model, batch, self.target)
+                if not math.isfinite(loss.item()):
+                    raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+                opt.step()
+                step += 1
+                tokens += batch.tokens
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+                if self.rank == 0 and step % tc.log_every == 0:
+                    self._log(logf, {"kind": "train", "epoch": epoch, "step": step, "loss": loss.item(), **parts,
+                                     "grad_norm": float(gnorm), "lr": lr_at(step, tc),
+                                     "tokens_per_s": tokens * self.world / (time.perf_counter() - t0)})
+                if tc.max_steps is not None and step >= tc.max_steps:
+                    done = True
+                    break
+            epoch_s = time.perf_counter() - t0
+            if self.rank == 0:
+                val = validate(self.cls, module, val_set, tc, self.target)
+                metrics = {"kind": "val", "epoch": epoch, "step": step, **val, "epoch_s": epoch_s,
+                           "train_tokens_per_s": tokens * self.world / epoch_s, **mem.read()}
+                self._log(logf, metrics)
+                log.info("epoch %d: sim tau %.3f, alpha %s", epoch + 1, val["sim_tau"],
+                         " ".join(f"{a:.2f}" for a in val["alpha"]))
+                save_checkpoint(last, module, self.target, self.meta(epoch, step, metrics), extra={"optimizer": opt.state_dict()})
+            if dist.is_initialized():
+                dist.barrier()
+            if done:
+                break
+        final = self.out / "final"
+        if self.rank == 0:
+            save_checkpoint(final, module, self.target, self.meta(tc.epochs - 1, step, metrics), dtype=tc.save_dtype)
+        if dist.is_initialized():
+            dist.barrier()
+        return final
+
+    @staticmethod
+    def _log(path: Path, row: dict) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as f:  # append-only log: a crash loses at most the line being written
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+register_schema()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    try:
+        final = Trainer(cfg).run()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"trained: {final} ({json.dumps(read_meta(final)['metrics'].get('alpha'))})")
+    except SpecbenchError as e:
+        fail(e)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    cli(_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The training pipeline on a tiny target: conversations and loss masks, feature shards, the trainer (validation
+logs, checkpoints, resume, target-fingerprint refusal) and DDP with two CPU processes (gloo)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafters.medusa import MedusaDrafter
+from drafters.sd import IndependentDrafter
+from specbench.checkpoints import read_meta
+from specbench.conversations import Conversation, encode, iter_records, load_conversations
+from specbench.errors import SpecbenchError
+from specbench.features import FeatureSet, extract
+from specbench.models import load_model
+from specbench.config import ModelConfig
+from specbench.records import read_jsonl
+from specbench.target import TargetModel
+from specbench.train import Trainer
+from tests.conftest import byte_tokenizer
+from tests.helpers import engine_greedy, hf_greedy, tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sharegpt_file(tmp_path) -> Path:
+    convs = []
+    for i in range(14):
+        convs.append({"id": f"c{i}", "conversations": [
+            {"from": "human", "value": f"Count from {i} please."},
+            {"from": "gpt", "value": " ".join(str(i + j) for j in range(12))},
+            {"from": "human", "value": "Again."},
+            {"from": "gpt", "value": " ".join(str(i + j) for j in range(8))},
+        ]})
+    text = json.dumps(convs, indent=1)
+    path = tmp_path / "convs.json"
+    path.write_text(text[: len(text) - 40])  # cut off mid-record, like the packaged ShareGPT file
+    return path
+
+
+@pytest.fixture
+def tiny_target(tiny_checkpoint) -> TargetModel:
+    model, tok, dev = load_model(ModelConfig(name="tiny", hf_id="tiny", path=str(tiny_checkpoint)))
+    return TargetModel(model, tok, dev, "tiny")
+
+
+def test_truncated_json_array_decodes_record_by_record(sharegpt_file):
+    recs = list(iter_records(sharegpt_file))
+    assert len(recs) == 13 and recs[0]["id"] == "c0"
+
+
+def test_split_is_deterministic_and_disjoint(sharegpt_file):
+    train, val = load_conversations(sharegpt_file, 10, 3)
+    assert [c.conv_id for c in train] == [f"c{i}" for i in range(10)]
+    assert [c.conv_id for c in val] == ["c10", "c11", "c12"]
+    with pytest.raises(SpecbenchError, match="only 13 usable"):
+        load_conversations(sharegpt_file, 12, 3)
+
+
+def test_loss_mask_covers_assistant_replies_only():
+    tok = byte_tokenizer()
+    conv = Conversation("x", (("user", "hi there"), ("assistant", "hello!"), ("user", "bye"), ("assistant", "ciao")))
+    enc = encode(conv, tok, "be nice", 512)
+    masked = tok.decode([t for t, m in zip(enc.input_ids, enc.loss_mask) if m])
+    assert masked == "hello!<|im_end|>ciao<|im_end|>"
+    cut = encode(conv, tok, None, 30)  # max_len truncates inside the first reply
+    assert len(cut.input_ids) == 30 and 0 < sum(cut.loss_mask) < 6
+    assert encode(conv, tok, None, 12) is None  # nothing trainable fits
+
+
+def test_feature_shards_round_trip_and_resume(tiny_target, tmp_path, sharegpt_file):
+    train, _ = load_conversations(sharegpt_file, 5, 0)
+    enc = [encode(c, tiny_target.tokenizer, None, 200) for c in train]
+    fs = extract(tiny_target, enc, tmp_path / "f", "float32", shard_size=2, kv=True)
+    assert len(fs) == 5 and len(fs.manifest["shards"]) == 3
+    x = fs.load(*fs.index()[3], kv=True)
+    assert x["input_ids"].tolist() == enc[3].input_ids and x["loss_mask"].tolist() == enc[3].loss_mask
+    fwd = tiny_target.forward(torch.tensor([enc[3].input_ids]), tiny_target.new_cache(), logits_rows=slice(0, 0))
+    torch.testing.assert_close(x["hidden"], fwd.hidden[0])
+    assert len(x["kv"]) == tiny_target.model.config.num_hidden_layers
+    # interrupted after two shards: the manifest lists them, the third is redone
+    manifest = json.loads((tmp_path / "f" / "manifest.json").read_text())
+    manifest["shards"], manifest["complete"], manifest["count"] = manifest["shards"][:2], False, 4
+    (tmp_path / "f" / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "f" / "shard-00002.safetensors").unlink()
+    with pytest.raises(SpecbenchError, match="incomplete"):
+        FeatureSet.open(tmp_path / "f")
+    again = extract(tiny_target, enc, tmp_path / "f", "float32", shard_size=2, kv=True)
+    assert len(again) == 5 and again.load(*again.index()[4])["input_ids"].tolist() == enc[4].input_ids
+
+
+def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
+    base = {"train.data_path": sharegpt_file, "train.conversations": 10, "train.val_conversations": 3,
+            "train.max_len": 96, "train.epochs": 2, "train.batch_size": 2, "train.val_new_tokens": 8,
+            "train.val_depth": 3, "train.val_positions": 3, "train.features_dir": tmp_path / "features",
+            "train.out_dir": tmp_path / "ckpt", "train.log_every": 1, "train.warmup_steps": 2, "train.lr": 1e-3}
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.mark.parametrize("drafter", ["sd", "medusa"])
+def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(make_cfg, tmp_path, sharegpt_file,
+                                                                              tiny_target, drafter):
+    cfg = make_cfg(f"drafter={drafter}", *train_overrides(tmp_path, sharegpt_file))
+    final = Trainer(cfg).run()
+    log = read_jsonl(final.parent / "log.jsonl")
+    vals = [r for r in log if r["kind"] == "val"]
+    assert [r["epoch"] for r in vals] == [0, 1]
+    assert all(len(r["alpha"]) == 3 and r["sim_tau"] >= 1 and r["train_tokens_per_s"] > 0 and r["peak_mem_bytes"]
+               for r in vals)
+    assert any(r["kind"] == "train" and "loss" in r for r in log)
+    meta = read_meta(final)
+    assert meta["target"] == "tiny" and meta["drafter"] == drafter
+    cls = IndependentDrafter if drafter == "sd" else MedusaDrafter
+    d = cls(tiny_target, checkpoint=str(final))
+    prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
+    assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)
+
+
+def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file):
+    over = train_overrides(tmp_path, sharegpt_file)
+    Trainer(make_cfg("drafter=medusa", *over)).run()
+    Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3")).run()
+    vals = [r["epoch"] for r in read_jsonl(tmp_path / "ckpt" / "tiny" / "medusa" / "log.jsonl") if r["kind"] == "val"]
+    assert vals == [0, 1, 2]
+
+
+def test_a_checkpoint_for_another_target_is_refused(make_cfg, tmp_path, sharegpt_file):
+    final = Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1}))).run()
+    other = TargetModel(tiny_llama(vocab=258, seed=7), byte_tokenizer(), torch.device("cpu"), "other")
+    with pytest.raises(SpecbenchError, match="trained for target 'tiny'"):
+        MedusaDrafter(other, checkpoint=str(final))
+
+
+def test_ddp_two_cpu_processes(tmp_path, sharegpt_file, tiny_checkpoint):
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+           "-m", "specbench.train", "drafter=medusa", f"model.path={tiny_checkpoint}", "model.name=tiny", *over]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    meta = read_meta(tmp_path / "ckpt" / "tiny" / "medusa" / "final")
+    assert meta["world_size"] == 2
