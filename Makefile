@@ -10,7 +10,10 @@ DRAFTERS ?= none,pld,sd
 DATASETS ?= mtbench,gsm8k,cnndm
 PERF_ARGS ?=
 
-.PHONY: setup test test-fast bench perf
+TRAIN    ?= embedded
+TRAIN_DRAFTERS ?= sd medusa
+
+.PHONY: setup test test-fast bench perf train
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,3 +39,14 @@ bench: setup
 # Our engine vs transformers' assisted generation / prompt lookup on the same prompts, in one process.
 perf: setup
 	$(BIN)/python -m specbench.perf model=$(MODEL) $(PERF_ARGS)
+
+# Train every drafter with the same budget (conf/train/$(TRAIN).yaml) and copy the final weights, with their
+# validation log, to weights/$(MODEL)/<drafter>/ (what the drafter configs load). Resumes from checkpoints/;
+# add ARGS=train.resume=false to start over.
+train: setup
+	set -e; for d in $(TRAIN_DRAFTERS); do \
+		$(BIN)/python -m specbench.train drafter=$$d model=$(MODEL) train=$(TRAIN) $(ARGS); \
+		rm -rf weights/$(MODEL)/$$d; mkdir -p weights/$(MODEL); \
+		cp -r checkpoints/$(MODEL)/$$d/final weights/$(MODEL)/$$d; \
+		cp checkpoints/$(MODEL)/$$d/log.jsonl weights/$(MODEL)/$$d/log.jsonl; \
+	done

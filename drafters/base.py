@@ -67,7 +67,9 @@ class TrainableDrafter(Drafter):
 
     Training batches (specbench.train.Batch) carry, right-padded to the longest sequence:
       input_ids [B, T], loss_mask [B, T] (1 on assistant tokens), attn_mask [B, T] (1 on real tokens),
-      hidden [B, T, H] (the frozen target's last hidden states, noise already applied where configured).
+      hidden [B, T, H] (the frozen target's last hidden states, clean: targets), hidden_in [B, T, H] (the same with the
+      configured noise: inputs).
+    `training_loss` must call `module(...)` once for everything it trains (DDP synchronises gradients in forward).
     """
 
     @classmethod

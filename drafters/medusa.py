@@ -82,7 +82,7 @@ class MedusaDrafter(TrainableDrafter):
 
     @classmethod
     def training_loss(cls, module, batch, target):
-        feats = module(batch.hidden)  # [B, T, K, H]: a single forward through the (possibly DDP) module
+        feats = module(batch.hidden_in)  # [B, T, K, H]: a single forward through the (possibly DDP) module
         k_heads = feats.shape[2]
         decay = getattr(module, "module", module).decay
         loss, parts = 0.0, {}

@@ -44,7 +44,17 @@ def save_checkpoint(path: Path, module: torch.nn.Module, target, meta: dict[str,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def resolve(path: str | Path) -> Path:
+    """A relative checkpoint path is looked up from the working directory, then from the repository root."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.exists() else REPO / p
+
+
 def read_meta(path: Path) -> dict[str, Any]:
+    path = resolve(path)
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         raise SpecbenchError(f"no drafter checkpoint at {path} (config.json missing): train it with `make train`")
@@ -57,6 +67,7 @@ def target_fingerprint(target) -> str:
 
 def load_checkpoint(path: Path, module: torch.nn.Module, target, drafter: str) -> dict[str, Any]:
     """Load trained weights into `module` after checking the checkpoint belongs to this drafter and this target."""
+    path = resolve(path)
     meta = read_meta(path)
     if meta.get("drafter") != drafter:
         raise SpecbenchError(f"checkpoint {path} is a {meta.get('drafter')!r} drafter, not {drafter!r}")

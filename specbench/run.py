@@ -59,6 +59,17 @@ def turn_seed(seed: int, repeat: int, qid: str, turn: int) -> int:
     return zlib.crc32(f"{seed}/{repeat}/{qid}/{turn}".encode())
 
 
+TRAINING_ONLY = ("name", "optim")  # drafter YAML keys that are not constructor arguments
+
+
+def inference_spec(node: DictConfig | dict) -> dict:
+    """A drafter node as `instantiate` takes it for decoding: without its name and training-only settings."""
+    spec = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    for key in TRAINING_ONLY:
+        spec.pop(key, None)
+    return spec
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -112,8 +123,7 @@ class Runner:
         return RunDir(self.exp_dir / name), drafter
 
     def make_drafter(self, node: DictConfig) -> Drafter:
-        spec = OmegaConf.to_container(node, resolve=True)
-        spec.pop("name", None)
+        spec = inference_spec(node)
         try:
             return instantiate(spec, target=self.target, _convert_="object")
         except Exception as e:  # noqa: BLE001 - Hydra wraps constructor errors; report them in one line

@@ -46,6 +46,7 @@ from drafters.base import NoDrafter
 from specbench.types import SamplingParams
 
 log = logging.getLogger("specbench.train")
+OPTIM_KEYS = {"lr", "warmup_steps", "weight_decay", "grad_clip", "noise", "noise_scale"}
 
 
 @dataclass
@@ -53,7 +54,8 @@ class Batch:
     input_ids: torch.Tensor  # [B, T] int64, right-padded with 0
     loss_mask: torch.Tensor  # [B, T] 1 on assistant tokens
     attn_mask: torch.Tensor  # [B, T] 1 on real tokens
-    hidden: torch.Tensor  # [B, T, H] float32 target last hidden states (noise applied when configured)
+    hidden: torch.Tensor  # [B, T, H] float32 target last hidden states, clean (regression / distillation targets)
+    hidden_in: torch.Tensor | None = None  # [B, T, H] the same with the configured noise: what drafters read as input
 
     @property
     def tokens(self) -> int:
@@ -70,12 +72,14 @@ def collate(items: list[dict], device: torch.device) -> Batch:
     for i, x in enumerate(items):
         n = len(x["input_ids"])
         ids[i, :n], loss[i, :n], attn[i, :n], hid[i, :n] = x["input_ids"], x["loss_mask"], 1, x["hidden"].float()
-    return Batch(ids.to(device), loss.to(device), attn.to(device), hid.to(device))
+    hid = hid.to(device)
+    return Batch(ids.to(device), loss.to(device), attn.to(device), hid, hid)
 
 
 def add_noise(batch: Batch, kind: str, scale: float, gen: torch.Generator) -> None:
     """EAGLE: uniform U(-s, s); Beagle: gaussian N(0, s); on the target features only."""
     if kind == "none" or scale == 0:
+        batch.hidden_in = batch.hidden
         return
     shape, dev = batch.hidden.shape, batch.hidden.device
     if kind == "uniform":
@@ -84,7 +88,7 @@ def add_noise(batch: Batch, kind: str, scale: float, gen: torch.Generator) -> No
         noise = torch.randn(shape, generator=gen) * scale
     else:
         raise SpecbenchError(f"train.noise={kind!r} is not one of none, uniform, gaussian")
-    batch.hidden += noise.to(dev) * batch.attn_mask[..., None]
+    batch.hidden_in = batch.hidden + noise.to(dev) * batch.attn_mask[..., None]
 
 
 def validation_data(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, val_convs) -> list[Encoded]:
@@ -160,7 +164,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
-        self.tc: TrainConfig = to_dataclass(TrainConfig, cfg.train)
+        # a method's own optimiser settings (the papers differ: EAGLE 3e-5, Medusa 1e-3) may come with its YAML;
+        # the budget itself (conversations, epochs, length, batch) cannot: every drafter gets the same one
+        optim = OmegaConf.to_container(cfg.drafter.get("optim") or {}, resolve=True)
+        unknown = set(optim) - OPTIM_KEYS
+        if unknown:
+            raise SpecbenchError(f"drafter.optim may set only {', '.join(sorted(OPTIM_KEYS))}; not {', '.join(sorted(unknown))}")
+        self.tc: TrainConfig = to_dataclass(TrainConfig, OmegaConf.merge(cfg.train, optim))
         self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
         self.cls = get_class(cfg.drafter._target_)
         if not (isinstance(self.cls, type) and issubclass(self.cls, TrainableDrafter)):

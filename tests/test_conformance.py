@@ -5,11 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
 from drafters.base import HIDDEN, KV, Drafter
+from specbench.config import register_schema
 from specbench.engine import Engine
+from specbench.run import inference_spec
 from specbench.target import TargetModel, cache_kv
 from specbench.types import SamplingParams, TargetState
 from tests.helpers import RandomTreeDrafter, engine_greedy, hf_greedy, tiny_llama
@@ -20,8 +22,15 @@ PROMPTS = [[5, 17, 33, 17, 33, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [
 
 
 def make_drafter(name: str, target: TargetModel) -> Drafter:
-    spec = OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"))
-    spec.pop("name")
+    """The config as composed by Hydra, except trained weights: those belong to the embedded target, these targets
+    are tiny (an untrained module of the same shape goes through the same code)."""
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+        node = compose(config_name="config", overrides=[f"drafter={name}"]).drafter
+    spec = inference_spec(node)
+    if "checkpoint" in spec:
+        spec["checkpoint"] = None
+    torch.manual_seed(0)  # untrained modules: every instance gets the same initial weights
     return instantiate(spec, target=target, _convert_="object")
 
 

@@ -1,0 +1,164 @@
+"""EAGLE (Li et al. 2024, papers/004 Sec. 4) with EAGLE-1's static tree (`eagle`) or EAGLE-2's dynamic tree
+(`eagle2`): the same head and the same trained weights, the tree policy from conf/tree/.
+
+Head ("Auto-regression Head"): f^_{i+1} = Decoder(FC(concat(e(t_{i+1}), f_i))), one decoder layer of the target's
+architecture (its own positions / attention / MLP), no final norm: f^ goes straight to the target's frozen LM head,
+as the target's own feature does. Embedding and LM head are the target's (shared, frozen, not saved).
+Drafting is feature-level autoregression: a drafted node's input pair is (its parent's predicted feature, its token).
+Training (Sec. 4.2): L = SmoothL1(f_{i+1}, f^_{i+1}) + w_cls * CE(p_{i+2}, p^_{i+2}) with w_cls = 0.1 and
+p = softmax(LMHead(f)); uniform noise U(-0.1, 0.1) on the input features (conf: optim.noise).
+Deviation: the decoder layer keeps its input RMSNorm (EAGLE's code skips it for its single layer).
+
+The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entries are appended while a tree grows
+(tree attention over the draft's own cache) and cropped off before verification; after verification the new pairs
+(true features of the root and the accepted path, with the next tokens) are appended at the next propose.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from drafters.base import HIDDEN, TrainableDrafter
+from drafters.trees import make_tree
+from specbench.checkpoints import load_checkpoint, read_meta
+from specbench.types import DraftTree, TargetState, VerifyResult
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target):
+        super().__init__()
+        base = target.model.config
+        cfg = base.__class__.from_dict(base.to_dict())
+        cfg.num_hidden_layers, cfg.vocab_size = 1, 1
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = cfg.layer_types[:1]
+        h = target.hidden_size
+        self.fc = nn.Linear(2 * h, h)
+        self.body = type(target.decoder)(cfg)
+        self.body.embed_tokens = None  # inputs are FC outputs; tokens are embedded with the target's table
+        self.body.norm = nn.Identity()  # f^ feeds the LM head directly, like the target's (already normed) feature
+
+    def forward(self, emb: torch.Tensor, feat: torch.Tensor, cache: DynamicCache | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """emb, feat [B, Q, H] -> predicted next features [B, Q, H]."""
+        x = self.fc(torch.cat([emb, feat], dim=-1))
+        return self.body(inputs_embeds=x, past_key_values=cache, position_ids=position_ids,
+                         attention_mask=attention_mask, use_cache=cache is not None).last_hidden_state
+
+
+def _mask(prefix: int, slots: list[list[int]], total: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask for new draft rows: every row sees the verified prefix and the cache slots it lists. [1,1,R,total]"""
+    m = torch.full((1, 1, len(slots), total), torch.finfo(dtype).min, dtype=dtype, device=device)
+    m[..., :prefix] = 0
+    for r, cols in enumerate(slots):
+        m[0, 0, r, cols] = 0
+    return m
+
+
+class EagleDrafter(TrainableDrafter):
+    name = "eagle"
+    needs = frozenset({HIDDEN})
+    w_cls = 0.1
+
+    def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
+        options = dict(module or {})
+        if checkpoint:
+            options = read_meta(Path(checkpoint)).get("module", options)
+        self.head = self.build_module(target, **options).eval().requires_grad_(False)
+        if checkpoint:
+            load_checkpoint(Path(checkpoint), self.head, target, self.name)
+        self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
+        self.policy = make_tree(**(tree or {"kind": "dynamic"}))
+        self.cache: DynamicCache | None = None
+        self.verified = 0  # pairs of verified tokens in the head's cache
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (features [B,n,H], next tokens [B,n])
+
+    # ---- training side -------------------------------------------------------------------------------------------
+    @classmethod
+    def build_module(cls, target) -> EagleHead:
+        return EagleHead(target).to(target.device)
+
+    @classmethod
+    def training_loss(cls, module, batch, target):
+        emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1})
+        pred = module(emb, batch.hidden_in[:, :-1], attention_mask=batch.attn_mask[:, 1:])  # f^_{i+1}, [B, T-1, H]
+        mask = batch.loss_mask[:, 2:].bool()  # f^_{i+1} -> p^_{i+2} predicts t_{i+2}
+        pred, true = pred[:, :-1][mask], batch.hidden[:, 1:-1][mask]  # [M, H]
+        reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
+        with torch.no_grad():
+            p = target.lm_head(true.to(target.dtype)).float().softmax(-1)
+        logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
+        cls_loss = -(p * logq).sum(-1).mean()
+        with torch.no_grad():
+            top1 = (logq.argmax(-1) == p.argmax(-1)).float().mean()
+        return reg + cls.w_cls * cls_loss, {"reg": reg.item(), "cls": cls_loss.item(), "top1": top1.item()}
+
+    @classmethod
+    @torch.no_grad()
+    def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
+        embed, out = target.decoder.embed_tokens, []
+        for t in positions:
+            cache = DynamicCache(config=module.body.config)
+            f = module(embed(input_ids[None, 1 : t + 1]), hidden[None, :t], cache)[:, -1:]  # f^_t
+            row = []
+            for d in range(depth):
+                x = target.lm_head(f.to(target.dtype)).argmax(-1)  # [1, 1]
+                row.append(x[0, 0])
+                f = module(embed(x), f, cache, position_ids=torch.tensor([[t + d]], device=f.device))
+            out.append(torch.stack(row))
+        return torch.stack(out)
+
+    # ---- decoding side -------------------------------------------------------------------------------------------
+    def prefill(self, state: TargetState) -> None:
+        self.cache = DynamicCache(config=self.head.body.config)
+        self.verified = 0
+        self.pending = (state.hidden, state.tokens[:, 1:])  # pairs (f_i, t_{i+1}), i = 0 .. L-1
+
+    def _logits(self, f: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(f.to(self.lm_head.weight.dtype))
+
+    @torch.inference_mode()
+    def propose(self, state: TargetState) -> DraftTree:
+        feats, toks = self.pending
+        n = toks.shape[1]
+        pos = torch.arange(self.verified, self.verified + n, device=self.device)[None]
+        root_f = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos)[0, -1]
+        self.verified += n
+        out_f: dict[int, torch.Tensor] = {}  # node -> its predicted feature (input of its children)
+        slot: dict[int, int] = {}  # node -> its entry in the head's cache
+        depth: dict[int, int] = {-1: 0}
+        parent_of: dict[int, int] = {}
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            for node, par in zip(nodes, parents):
+                parent_of[node], depth[node] = par, depth[par] + 1
+            first = self.cache.get_seq_length()
+            rows = []
+            for j, node in enumerate(nodes):
+                slot[node] = first + j
+                anc, a = [], node
+                while a >= 0:
+                    anc.append(slot[a])
+                    a = parent_of[a]
+                rows.append(anc)
+            f_in = torch.stack([root_f if parent_of[v] < 0 else out_f[parent_of[v]] for v in nodes])[None]
+            emb = self.embed(torch.tensor([tokens], device=self.device))
+            pos = torch.tensor([[self.verified + depth[v] - 1 for v in nodes]], device=self.device)
+            mask = _mask(self.verified, rows, first + len(nodes), f_in.dtype, self.device)
+            f = self.head(emb, f_in, self.cache, position_ids=pos, attention_mask=mask)[0]
+            for j, node in enumerate(nodes):
+                out_f[node] = f[j]
+            return self._logits(f)
+
+        grown = self.policy.grow(self._logits(root_f), expand)
+        self.cache.crop(self.verified - self.cache.get_seq_length())  # drop drafted entries
+        tokens = torch.tensor([grown.tokens], device=self.device)
+        return DraftTree(tokens=tokens, parents=torch.tensor([grown.parents], device=self.device))
+
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        n = state.hidden.shape[1]  # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})
+        self.pending = (state.hidden, state.tokens[:, -n:])

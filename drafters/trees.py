@@ -1,0 +1,105 @@
+"""Draft-tree policies shared by tree drafters (Medusa, EAGLE-1/2, HASS, CORAL, Beagle, MoA).
+
+A policy grows a tree from the root's next-token logits and an `expand(nodes) -> logits` callback that runs the
+drafter on already-drafted nodes (all at one depth, in one batch) and returns their children's logits [n, V].
+
+- StaticTree (Medusa sparse trees, EAGLE-1): a fixed set of paths of top-k ranks, e.g. [0, 1] = the top-1 child of
+  the root, then the top-2 child below it.
+- DynamicTree (EAGLE-2, as used by Beagle, MoA and CORAL): at depth 1 keep the top-k children of the root; at every
+  further depth expand the top-k frontier nodes by cumulative draft log-probability, each into its top-k children;
+  finally rerank every drafted node by cumulative log-probability and keep the best `total_tokens`.
+Drafted tokens are deterministic top-k choices, so the trees carry no q (verification uses q = 1, lossless).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specbench.errors import SpecbenchError
+
+# (node indices, their tokens, their parents) -> the children's logits [n, V]; nodes are all at one depth and every
+# ancestor of theirs was expanded earlier
+Expand = Callable[[list[int], list[int], list[int]], torch.Tensor]
+
+
+@dataclass
+class Grown:
+    tokens: list[int]  # [N] in topological order
+    parents: list[int]  # [N], -1 = root
+
+
+def sorted_paths(paths: list[list[int]], max_depth: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """Sort top-rank paths by (length, ranks); return them with each one's parent index. Every prefix must exist."""
+    paths = sorted((list(p) for p in paths), key=lambda p: (len(p), p))
+    pos = {tuple(p): i for i, p in enumerate(paths)}
+    if len(pos) != len(paths):
+        raise SpecbenchError("tree paths must be distinct")
+    parents = []
+    for p in paths:
+        if not p or (max_depth is not None and len(p) > max_depth):
+            raise SpecbenchError(f"tree path {p} is empty or deeper than {max_depth}")
+        if len(p) > 1 and tuple(p[:-1]) not in pos:
+            raise SpecbenchError(f"tree path {p} has no parent path {p[:-1]}")
+        parents.append(pos[tuple(p[:-1])] if len(p) > 1 else -1)
+    return paths, parents
+
+
+class StaticTree:
+    def __init__(self, paths: list[list[int]], **_):
+        self.paths, self.parents = sorted_paths(paths)
+        self.depth = max(len(p) for p in self.paths)
+        self.width = 1 + max(max(p) for p in self.paths)
+
+    def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
+        """root_logits [V]."""
+        tokens = [0] * len(self.paths)
+        top = root_logits.topk(self.width).indices.tolist()
+        for i, p in enumerate(self.paths):
+            if len(p) == 1:
+                tokens[i] = top[p[0]]
+        for d in range(2, self.depth + 1):
+            kids = [i for i, p in enumerate(self.paths) if len(p) == d]
+            feed = sorted({self.parents[i] for i in kids})
+            logits = expand(feed, [tokens[i] for i in feed], [self.parents[i] for i in feed])
+            top = logits.topk(self.width, dim=-1).indices.tolist()
+            for i in kids:
+                tokens[i] = top[feed.index(self.parents[i])][self.paths[i][-1]]
+        return Grown(tokens, list(self.parents))
+
+
+class DynamicTree:
+    def __init__(self, depth: int = 6, topk: int = 10, total_tokens: int = 60, **_):
+        if depth < 1 or topk < 1 or total_tokens < 1:
+            raise SpecbenchError("dynamic tree needs depth, topk and total_tokens >= 1")
+        self.depth, self.topk, self.total = depth, topk, total_tokens
+
+    def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
+        logp = root_logits.float().log_softmax(-1).topk(self.topk)
+        tokens, parents = logp.indices.tolist(), [-1] * self.topk
+        scores = logp.values.tolist()  # cumulative draft log-probability of each node
+        frontier = list(range(self.topk))
+        for _ in range(2, self.depth + 1):
+            logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier])
+            child = logits.float().log_softmax(-1).topk(self.topk, dim=-1)
+            base = torch.tensor([scores[i] for i in frontier])[:, None] + child.values.cpu()  # [k, k]
+            first = len(tokens)
+            for r, parent in enumerate(frontier):
+                tokens += child.indices[r].tolist()
+                parents += [parent] * self.topk
+            scores += base.reshape(-1).tolist()
+            best = base.reshape(-1).topk(min(self.topk, base.numel())).indices.tolist()
+            frontier = [first + j for j in best]
+        # rerank: a child never scores above its parent, so the best-N set is closed under ancestors when ties
+        # go to the earlier (shallower) node
+        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.total])
+        new = {old: n for n, old in enumerate(keep)}
+        return Grown([tokens[i] for i in keep], [new[parents[i]] if parents[i] >= 0 else -1 for i in keep])
+
+
+def make_tree(kind: str, **options):
+    policies = {"static": StaticTree, "dynamic": DynamicTree}
+    if kind not in policies:
+        raise SpecbenchError(f"tree.kind={kind!r} is not one of {', '.join(policies)}")
+    return policies[kind](**options)
