@@ -76,20 +76,21 @@ class DynamicTree:
         self.depth, self.topk, self.total = depth, topk, total_tokens
 
     def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
-        logp = root_logits.float().log_softmax(-1).topk(self.topk)
-        tokens, parents = logp.indices.tolist(), [-1] * self.topk
+        k = min(self.topk, root_logits.shape[-1])
+        logp = root_logits.float().log_softmax(-1).topk(k)
+        tokens, parents = logp.indices.tolist(), [-1] * k
         scores = logp.values.tolist()  # cumulative draft log-probability of each node
         frontier = list(range(self.topk))
         for _ in range(2, self.depth + 1):
             logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier])
-            child = logits.float().log_softmax(-1).topk(self.topk, dim=-1)
+            child = logits.float().log_softmax(-1).topk(k, dim=-1)
             base = torch.tensor([scores[i] for i in frontier])[:, None] + child.values.cpu()  # [k, k]
             first = len(tokens)
             for r, parent in enumerate(frontier):
                 tokens += child.indices[r].tolist()
-                parents += [parent] * self.topk
+                parents += [parent] * k
             scores += base.reshape(-1).tolist()
-            best = base.reshape(-1).topk(min(self.topk, base.numel())).indices.tolist()
+            best = base.reshape(-1).topk(min(k, base.numel())).indices.tolist()
             frontier = [first + j for j in best]
         # rerank: a child never scores above its parent, so the best-N set is closed under ancestors when ties
         # go to the earlier (shallower) node

@@ -166,7 +166,8 @@ class Trainer:
         self.cfg = cfg
         # a method's own optimiser settings (the papers differ: EAGLE 3e-5, Medusa 1e-3) may come with its YAML;
         # the budget itself (conversations, epochs, length, batch) cannot: every drafter gets the same one
-        optim = OmegaConf.to_container(cfg.drafter.get("optim") or {}, resolve=True)
+        optim = cfg.drafter.get("optim")
+        optim = OmegaConf.to_container(optim, resolve=True) if optim is not None else {}
         unknown = set(optim) - OPTIM_KEYS
         if unknown:
             raise SpecbenchError(f"drafter.optim may set only {', '.join(sorted(OPTIM_KEYS))}; not {', '.join(sorted(unknown))}")
@@ -189,7 +190,8 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         self.target = TargetModel(model, tok, device, self.model_cfg.name)
         self.out = Path(self.tc.out_dir) / self.model_cfg.name / cfg.drafter.name
-        self.module_options = OmegaConf.to_container(cfg.drafter.get("module") or {}, resolve=True)
+        module = cfg.drafter.get("module")
+        self.module_options = OmegaConf.to_container(module, resolve=True) if module is not None else {}
 
     def meta(self, epoch: int, step: int, metrics: dict) -> dict:
         return {"drafter": self.cls.name, "module": self.module_options, "target": self.model_cfg.name,

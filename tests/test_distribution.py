@@ -9,6 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
+from drafters.eagle import EagleDrafter
+from drafters.medusa import MedusaDrafter
 from drafters.pld import PromptLookup
 from drafters.sd import IndependentDrafter
 from specbench.engine import Engine
@@ -42,6 +44,11 @@ def exact_law(t: TargetModel, params: SamplingParams) -> dict[tuple[int, int], f
     return law
 
 
+def seeded(cls, t, **kw):
+    torch.manual_seed(0)  # untrained heads: random but fixed
+    return cls(t, **kw)
+
+
 def samples(t: TargetModel, drafter, params: SamplingParams, n: int, seed: int) -> Counter:
     eng = Engine(t, drafter, params)
     out: Counter = Counter()
@@ -72,6 +79,10 @@ def tv(counts: Counter, law: dict, n: int) -> float:
 
 
 DRAFTERS = {
+    "eagle2-dynamic-tree": lambda t: seeded(EagleDrafter, t, tree={"kind": "dynamic", "depth": 3, "topk": 3,
+                                                                    "total_tokens": 8}),
+    "medusa-static-tree": lambda t: seeded(MedusaDrafter, t, module={"num_heads": 2},
+                                           tree=[[0], [1], [0, 0], [0, 1], [1, 0]]),
     "sd-sampling": lambda t: IndependentDrafter(t, gamma=3, module={"init_layers": [0, 1, 2]}),
     "pld-deterministic": lambda t: PromptLookup(num_pred_tokens=4, max_ngram=2),
     "tree-iid-siblings": lambda t: RandomTreeDrafter(V, seed=5, sampling=True, max_depth=3, width=3),
