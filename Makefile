@@ -11,7 +11,7 @@ DATASETS ?= mtbench,gsm8k,cnndm
 PERF_ARGS ?=
 
 TRAIN    ?= embedded
-TRAIN_DRAFTERS ?= sd medusa
+TRAIN_DRAFTERS ?= sd medusa eagle
 
 .PHONY: setup test test-fast bench perf train
 

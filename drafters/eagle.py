@@ -33,7 +33,7 @@ class EagleHead(nn.Module):
         super().__init__()
         base = target.model.config
         cfg = base.__class__.from_dict(base.to_dict())
-        cfg.num_hidden_layers, cfg.vocab_size = 1, 1
+        cfg.num_hidden_layers, cfg.vocab_size, cfg.pad_token_id = 1, 1, None  # no token table of its own
         if getattr(cfg, "layer_types", None):
             cfg.layer_types = cfg.layer_types[:1]
         h = target.hidden_size

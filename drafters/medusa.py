@@ -3,6 +3,9 @@
 Head k (k = 1..K): h~ = SiLU(W1_k h_t) + h_t with W1_k initialised to 0, then p_t^(k) = softmax(W2 h~), predicting
 token y_{t+k+1} (the target's own LM head predicts y_{t+1}). Loss (Medusa-1, frozen backbone):
     L = sum_k lambda_k * CE(p_t^(k), y_{t+k+1}),  lambda_k = decay^k (decay 0.8).
+With `labels: target` (self-distillation, the Medusa paper's recipe when the training text is not the model's own)
+the CE is taken against the target's own next-token distribution at y_{t+k+1}'s position, softmax(LMHead(h_{t+k})),
+instead of the one-hot ground-truth token; the features already hold h_{t+k}, so this costs no generation.
 Deviation from the paper: all heads share the target's frozen LM head as W2 (a separate 49,152 x 576 head per
 Medusa head would be 28M parameters each on the embedded target); only the W1_k are trained.
 
@@ -75,22 +78,29 @@ class MedusaDrafter(TrainableDrafter):
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
-    def build_module(cls, target, num_heads: int = 4, decay: float = 0.8) -> MedusaHeads:
+    def build_module(cls, target, num_heads: int = 4, decay: float = 0.8, labels: str = "ground_truth") -> MedusaHeads:
+        if labels not in ("ground_truth", "target"):
+            raise SpecbenchError(f"medusa: labels={labels!r} is not one of ground_truth, target")
         heads = MedusaHeads(target.hidden_size, num_heads).to(target.device)
-        heads.decay = decay
+        heads.decay, heads.labels = decay, labels
         return heads
 
     @classmethod
     def training_loss(cls, module, batch, target):
         feats = module(batch.hidden_in)  # [B, T, K, H]: a single forward through the (possibly DDP) module
         k_heads = feats.shape[2]
-        decay = getattr(module, "module", module).decay
+        heads = getattr(module, "module", module)  # unwrap DDP for the hyperparameters
         loss, parts = 0.0, {}
         for k in range(1, k_heads + 1):  # head k reads h_t and predicts y_{t+k+1}
             mask = batch.loss_mask[:, k + 1 :].bool()
             logits = target.lm_head(feats[:, : -(k + 1), k - 1][mask].to(target.dtype)).float()
-            ce = F.cross_entropy(logits, batch.input_ids[:, k + 1 :][mask])
-            loss = loss + decay**k * ce
+            if heads.labels == "target":  # the target's distribution of y_{t+k+1}, read off h_{t+k}
+                with torch.no_grad():
+                    soft = target.lm_head(batch.hidden[:, k:-1][mask].to(target.dtype)).float().softmax(-1)
+                ce = -(soft * logits.log_softmax(-1)).sum(-1).mean()
+            else:
+                ce = F.cross_entropy(logits, batch.input_ids[:, k + 1 :][mask])
+            loss = loss + heads.decay**k * ce
             parts[f"ce{k}"] = ce.item()
         return loss, parts
 

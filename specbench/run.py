@@ -70,6 +70,15 @@ def inference_spec(node: DictConfig | dict) -> dict:
     return spec
 
 
+def weights_digest(checkpoint: str) -> str:
+    from specbench.checkpoints import resolve
+
+    path = resolve(checkpoint) / "model.safetensors"
+    if not path.is_file():
+        raise SpecbenchError(f"no drafter checkpoint at {checkpoint} (model.safetensors missing): run `make train`")
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -117,6 +126,8 @@ class Runner:
 
     def run_dir_for(self, drafter_node: DictConfig) -> tuple[RunDir, dict]:
         drafter = OmegaConf.to_container(drafter_node, resolve=True)
+        if drafter.get("checkpoint"):  # the weights, not just their path, identify a run
+            drafter["checkpoint_sha256"] = weights_digest(drafter["checkpoint"])
         dataset = OmegaConf.to_container(self.cfg.dataset, resolve=True)
         decoding = OmegaConf.to_container(self.cfg.decoding, resolve=True)
         name = run_name(self.model_cfg.name, drafter, dataset, decoding, self.bench, self.cfg.seed)

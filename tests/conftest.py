@@ -38,6 +38,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     tok = byte_tokenizer()
     model = tiny_llama(vocab=len(tok), layers=6, hidden=32, seed=0, eos=tok.eos_token_id, scale=20.0)
     model.config.max_position_embeddings = 1024
+    model.config.pad_token_id = tok.eos_token_id  # as SmolLM2 (a drafter building its own config must cope)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
