@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import HIDDEN, TrainableDrafter
+from drafters.trees import sorted_paths
 from specbench.checkpoints import load_checkpoint, read_meta
 from specbench.errors import SpecbenchError
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -41,20 +42,6 @@ class MedusaHeads(nn.Module):
         return torch.stack([h + F.silu(w(h)) for w in self.w1], dim=-2)
 
 
-def tree_from_paths(paths: list[list[int]], depth: int) -> tuple[list[list[int]], list[int]]:
-    """Sort paths by (length, indices) and return them with the parent index of each."""
-    paths = sorted((list(p) for p in paths), key=lambda p: (len(p), p))
-    pos = {tuple(p): i for i, p in enumerate(paths)}
-    parents = []
-    for p in paths:
-        if not 1 <= len(p) <= depth:
-            raise SpecbenchError(f"medusa: tree path {p} longer than the {depth} heads")
-        if len(p) > 1 and tuple(p[:-1]) not in pos:
-            raise SpecbenchError(f"medusa: tree path {p} has no parent path {p[:-1]}")
-        parents.append(pos[tuple(p[:-1])] if len(p) > 1 else -1)
-    return paths, parents
-
-
 class MedusaDrafter(TrainableDrafter):
     name = "medusa"
     needs = frozenset({HIDDEN})
@@ -69,7 +56,7 @@ class MedusaDrafter(TrainableDrafter):
             load_checkpoint(Path(checkpoint), self.heads, target, self.name)
         self.lm_head = target.lm_head  # the target's frozen LM head, shared (read only)
         k = len(self.heads.w1)
-        self.paths, parents = tree_from_paths(tree or [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]][:k], k)
+        self.paths, parents = sorted_paths(tree or [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]][:k], max_depth=k)
         self.parents = torch.tensor([parents], device=target.device)
         self.depth_idx = torch.tensor([len(p) - 1 for p in self.paths], device=target.device)
         self.rank_idx = torch.tensor([p[-1] for p in self.paths], device=target.device)

@@ -146,3 +146,27 @@ def test_ddp_two_cpu_processes(tmp_path, sharegpt_file, tiny_checkpoint):
     assert res.returncode == 0, res.stderr[-2000:]
     meta = read_meta(tmp_path / "ckpt" / "tiny" / "medusa" / "final")
     assert meta["world_size"] == 2
+
+
+def test_trained_weights_decode_through_the_runner_and_name_the_run(make_cfg, tmp_path, sharegpt_file):
+    """A drafter run with a checkpoint records the weights' digest, so retrained weights never resume old records."""
+    final = Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1}))).run()
+    from specbench.run import Runner
+
+    run = Runner(make_cfg("drafter=medusa", f"drafter.checkpoint={final}")).execute()
+    meta = json.loads((run.path / "run.json").read_text())
+    assert len(meta["config"]["drafter"]["checkpoint_sha256"]) == 16
+    summary = json.loads((run.path / "summary.json").read_text())
+    assert summary["lossless"]["rate"] == 1.0
+    Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 2,
+                                                                                    "train.lr": 5e-3}))).run()
+    again = Runner(make_cfg("drafter=medusa", f"drafter.checkpoint={final}")).execute()
+    assert again.path != run.path
+
+
+def test_medusa_paper_loss_trains_too(make_cfg, tmp_path, sharegpt_file):
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1})
+    final = Trainer(make_cfg("drafter=medusa", "drafter.module.labels=ground_truth", *over)).run()
+    assert read_meta(final)["module"]["labels"] == "ground_truth"
+    with pytest.raises(SpecbenchError, match="labels"):
+        Trainer(make_cfg("drafter=medusa", "drafter.module.labels=oracle", *over)).run()
