@@ -1,0 +1,72 @@
+"""Draft-tree policies: EAGLE-2's dynamic tree and static top-rank paths."""
+import pytest
+import torch
+
+from drafters.trees import DynamicTree, StaticTree, make_tree, sorted_paths
+from specbench.errors import SpecbenchError
+from specbench.tree import node_depths
+
+
+def expander(vocab: int, seed: int, calls: list):
+    g = torch.Generator().manual_seed(seed)
+
+    def expand(nodes, tokens, parents):
+        calls.append((list(nodes), list(parents)))
+        return torch.randn(len(nodes), vocab, generator=g) * 3
+
+    return expand
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(("depth", "topk", "total"), [(6, 10, 60), (3, 4, 9), (1, 5, 3), (4, 2, 100)])
+def test_dynamic_tree_keeps_the_best_ancestor_closed_nodes(seed, depth, topk, total):
+    calls = []
+    root = torch.randn(50, generator=torch.Generator().manual_seed(100 + seed)) * 3
+    grown = DynamicTree(depth, topk, total).grow(root, expander(50, seed, calls))
+    n = len(grown.tokens)
+    assert n == min(total, topk + (depth - 1) * topk * topk)
+    d = node_depths(grown.parents)  # raises unless topological
+    assert max(d) <= depth
+    assert len(calls) == depth - 1 and all(len(nodes) == topk for nodes, _ in calls)
+    # every expansion feeds nodes of one depth whose parents were expanded earlier
+    expanded = {-1}
+    for nodes, parents in calls:
+        assert set(parents) <= expanded
+        expanded |= set(nodes)
+    # the root's top-k children are its k most likely tokens
+    kids = [t for t, p in zip(grown.tokens, grown.parents) if p == -1]
+    assert set(kids) <= set(root.topk(topk).indices.tolist())
+
+
+def test_dynamic_tree_rerank_prefers_likely_paths():
+    """A root whose top child is near-certain: the deepest chain below it must survive the rerank."""
+    root = torch.full((20,), -10.0)
+    root[3] = 10.0
+
+    def expand(nodes, tokens, parents):
+        out = torch.full((len(nodes), 20), -10.0)
+        out[:, 5] = 10.0
+        return out
+
+    grown = DynamicTree(depth=5, topk=3, total_tokens=6).grow(root, expand)
+    chain = [t for t, p in zip(grown.tokens, grown.parents)]
+    assert max(node_depths(grown.parents)) == 5 and chain[0] == 3 and chain.count(5) >= 4
+
+
+def test_static_tree_follows_its_paths():
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    calls = []
+    grown = StaticTree(paths).grow(torch.randn(30), expander(30, 0, calls))
+    assert grown.parents == sorted_paths(paths)[1] == [-1, -1, 0, 0, 1, 2]
+    assert [len(nodes) for nodes, _ in calls] == [2, 1]  # depth 2 expands nodes 0 and 1, depth 3 expands node 2
+
+
+@pytest.mark.parametrize(("paths", "message"), [([[0, 1]], "no parent"), ([[0], [0]], "distinct"), ([[]], "empty")])
+def test_bad_paths_are_refused(paths, message):
+    with pytest.raises(SpecbenchError, match=message):
+        sorted_paths(paths)
+
+
+def test_unknown_tree_kind():
+    with pytest.raises(SpecbenchError, match="tree.kind"):
+        make_tree("bushy")
