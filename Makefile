@@ -6,7 +6,7 @@ MODEL    ?= smollm2-135m
 LIMIT    ?= 3
 MAX_NEW  ?= 64
 EXPERIMENT ?= bench
-DRAFTERS ?= none,pld,sd
+DRAFTERS ?= none,pld,sd,medusa,eagle,eagle2
 DATASETS ?= mtbench,gsm8k,cnndm
 PERF_ARGS ?=
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from drafters.eagle import EagleDrafter
+from drafters.hass import HassDrafter
 from drafters.medusa import MedusaDrafter
 from drafters.sd import IndependentDrafter
 from specbench.checkpoints import read_meta
@@ -103,7 +104,7 @@ def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle"])
+@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass"])
 def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(make_cfg, tmp_path, sharegpt_file,
                                                                               tiny_target, drafter):
     cfg = make_cfg(f"drafter={drafter}", *train_overrides(tmp_path, sharegpt_file))
@@ -116,7 +117,7 @@ def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(mak
     assert any(r["kind"] == "train" and "loss" in r for r in log)
     meta = read_meta(final)
     assert meta["target"] == "tiny" and meta["drafter"] == drafter
-    cls = {"sd": IndependentDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter}[drafter]
+    cls = {"sd": IndependentDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter, "hass": HassDrafter}[drafter]
     d = cls(tiny_target, checkpoint=str(final))
     prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
     assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)

@@ -1,0 +1,33 @@
+"""HASS's training-time multi-step forward equals drafting step by step with the head's own KV cache."""
+import torch
+from transformers import DynamicCache
+
+from drafters.hass import HassDrafter, harmonized_mask, harmonized_steps
+from specbench.target import TargetModel
+from tests.helpers import tiny_llama
+
+
+def test_mask_step_one_is_causal():
+    m = harmonized_mask(5, 1, torch.float32, "cpu")[0, 0] == 0
+    assert torch.equal(m, torch.tril(torch.ones(5, 5, dtype=torch.bool)))
+
+
+def test_training_steps_equal_decoding_with_own_features():
+    torch.manual_seed(0)
+    target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
+    head = HassDrafter.build_module(target, steps=3).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    hidden = target.prefill(ids, target.new_cache()).hidden  # f_0 .. f_11
+    emb = target.decoder.embed_tokens(ids[:, 1:])  # e(t_{i+1}), i = 0..10
+    n = emb.shape[1]
+    with torch.no_grad():
+        preds = harmonized_steps(head, emb, hidden[:, :-1], torch.ones(1, n, dtype=torch.long), 3)
+        for j in (1, 2, 3):
+            for root in range(0, n - j + 1):
+                cache = DynamicCache(config=head.body.config)
+                f = head(emb[:, : root + 1], hidden[:, : root + 1], cache)[:, -1:]  # F at root -> f^_{root+1}
+                for k in range(1, j):  # feed own features for the drafted pairs root+1 .. root+j-1
+                    pos = torch.tensor([[root + k]])
+                    f = head(emb[:, root + k : root + k + 1], f, cache, position_ids=pos)
+                i = root + j - 1  # the step-j query position
+                torch.testing.assert_close(preds[j - 1][:, i], f[:, 0], atol=1e-5, rtol=1e-4)
