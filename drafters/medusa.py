@@ -77,13 +77,19 @@ class MedusaDrafter(TrainableDrafter):
         feats = module(batch.hidden_in)  # [B, T, K, H]: a single forward through the (possibly DDP) module
         k_heads = feats.shape[2]
         heads = getattr(module, "module", module)  # unwrap DDP for the hyperparameters
+        label_logits = row_of = None
+        if heads.labels == "target":  # one LM-head pass serves every head: y_{u+2}'s law is read off h_{u+1}
+            with torch.no_grad():
+                keep = batch.loss_mask[:, 2:].bool()  # [B, T-2]: every label position some head is trained on
+                label_logits = target.lm_head(batch.hidden[:, 1:-1][keep].to(target.dtype)).float()  # [M, V]
+                row_of = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+                row_of[keep] = torch.arange(int(keep.sum()), device=keep.device)
         loss, parts = 0.0, {}
         for k in range(1, k_heads + 1):  # head k reads h_t and predicts y_{t+k+1}
             mask = batch.loss_mask[:, k + 1 :].bool()
             logits = target.lm_head(feats[:, : -(k + 1), k - 1][mask].to(target.dtype)).float()
-            if heads.labels == "target":  # the target's distribution of y_{t+k+1}, read off h_{t+k}
-                with torch.no_grad():
-                    soft = target.lm_head(batch.hidden[:, k:-1][mask].to(target.dtype)).float().softmax(-1)
+            if label_logits is not None:  # y_{t+k+1} is label row u = t + k - 1
+                soft = label_logits[row_of[:, k - 1 :][:, : mask.shape[1]][mask]].softmax(-1)
                 ce = -(soft * logits.log_softmax(-1)).sum(-1).mean()
             else:
                 ce = F.cross_entropy(logits, batch.input_ids[:, k + 1 :][mask])

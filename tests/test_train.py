@@ -171,3 +171,25 @@ def test_medusa_paper_loss_trains_too(make_cfg, tmp_path, sharegpt_file):
     assert read_meta(final)["module"]["labels"] == "ground_truth"
     with pytest.raises(SpecbenchError, match="labels"):
         Trainer(make_cfg("drafter=medusa", "drafter.module.labels=oracle", *over)).run()
+
+
+def test_medusa_self_distillation_labels_are_the_targets_law_at_each_offset():
+    """The one-pass label table equals computing softmax(LMHead(h_{t+k})) for every head separately."""
+    from specbench.train import Batch
+
+    torch.manual_seed(0)
+    t = TargetModel(tiny_llama(vocab=50, layers=2), None, torch.device("cpu"), "t")
+    m = MedusaDrafter.build_module(t, num_heads=3, labels="target")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 0.1)
+    ids, h = torch.randint(0, 50, (2, 20)), torch.randn(2, 20, 32)
+    lm = (torch.rand(2, 20) > 0.3).long()
+    loss, _ = MedusaDrafter.training_loss(m, Batch(ids, lm, torch.ones_like(ids), h, h), t)
+    feats, ref = m(h), 0.0
+    for k in range(1, 4):
+        mask = lm[:, k + 1 :].bool()
+        logits = t.lm_head(feats[:, : -(k + 1), k - 1][mask])
+        soft = t.lm_head(h[:, k:-1][mask]).softmax(-1)
+        ref = ref + 0.8**k * -(soft * logits.log_softmax(-1)).sum(-1).mean()
+    torch.testing.assert_close(loss, ref)
