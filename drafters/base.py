@@ -73,6 +73,22 @@ class TrainableDrafter(Drafter):
     """
 
     @classmethod
+    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> "torch.nn.Module":
+        """The decoding-time module: built from the checkpoint's recorded options and loaded with its weights
+        (refused for another target), or, without a checkpoint, freshly built from `options` (untrained)."""
+        from pathlib import Path
+
+        from specbench.checkpoints import load_checkpoint, read_meta
+
+        options = dict(options or {})
+        if checkpoint:
+            options = read_meta(Path(checkpoint)).get("module", options)
+        module = cls.build_module(target, **options)
+        if checkpoint:
+            load_checkpoint(Path(checkpoint), module, target, cls.name)
+        return module.eval().requires_grad_(False)
+
+    @classmethod
     @abstractmethod
     def build_module(cls, target, **options) -> "torch.nn.Module":
         """Fresh trainable weights for `target` (frozen target weights may be copied or referenced, never trained)."""

@@ -15,8 +15,6 @@ The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entr
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,7 +22,6 @@ from transformers import DynamicCache
 
 from drafters.base import HIDDEN, TrainableDrafter
 from drafters.trees import make_tree
-from specbench.checkpoints import load_checkpoint, read_meta
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -65,12 +62,7 @@ class EagleDrafter(TrainableDrafter):
     w_cls = 0.1
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
-        options = dict(module or {})
-        if checkpoint:
-            options = read_meta(Path(checkpoint)).get("module", options)
-        self.head = self.build_module(target, **options).eval().requires_grad_(False)
-        if checkpoint:
-            load_checkpoint(Path(checkpoint), self.head, target, self.name)
+        self.head = self.load_module(target, checkpoint, module)
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.cache: DynamicCache | None = None

@@ -16,15 +16,12 @@ is lossless at any temperature. Medusa's typical acceptance (lossy) is not offer
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import HIDDEN, TrainableDrafter
 from drafters.trees import sorted_paths
-from specbench.checkpoints import load_checkpoint, read_meta
 from specbench.errors import SpecbenchError
 from specbench.types import DraftTree, TargetState, VerifyResult
 
@@ -48,12 +45,7 @@ class MedusaDrafter(TrainableDrafter):
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None,
                  tree: list[list[int]] | None = None):
-        options = dict(module or {"num_heads": 4})
-        if checkpoint:
-            options = read_meta(Path(checkpoint)).get("module", options)
-        self.heads = self.build_module(target, **options).eval().requires_grad_(False)
-        if checkpoint:
-            load_checkpoint(Path(checkpoint), self.heads, target, self.name)
+        self.heads = self.load_module(target, checkpoint, module)
         self.lm_head = target.lm_head  # the target's frozen LM head, shared (read only)
         k = len(self.heads.w1)
         self.paths, parents = sorted_paths(tree or [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]][:k], max_depth=k)

@@ -12,13 +12,10 @@ Draft model, in order of precedence:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from drafters.base import TrainableDrafter
-from specbench.checkpoints import load_checkpoint
 from specbench.errors import SpecbenchError
 from specbench.sampling import logits_to_probs, sample
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -67,14 +64,7 @@ class IndependentDrafter(TrainableDrafter):
             if vocab != target.vocab_size:
                 raise SpecbenchError(f"sd: draft model vocabulary {vocab} != target vocabulary {target.vocab_size}")
         else:
-            options = dict(module or {})
-            if checkpoint:
-                from specbench.checkpoints import read_meta
-
-                options = read_meta(Path(checkpoint)).get("module", options)
-            self.model = self.build_module(target, **options)
-            if checkpoint:
-                load_checkpoint(Path(checkpoint), self.model, target, self.name)
+            self.model = self.load_module(target, checkpoint, module)
         self.model.eval().requires_grad_(False)
         self.cache: DynamicCache | None = None
         self.cached = 0  # tokens in self.cache: always a prefix of the verified tokens plus the last drafts
