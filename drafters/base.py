@@ -83,10 +83,15 @@ class TrainableDrafter(Drafter):
         options = dict(options or {})
         if checkpoint:
             options = read_meta(Path(checkpoint)).get("module", options)
-        module = cls.build_module(target, **options)
+        module = cls.build_module(target, **cls.decoding_options(options))
         if checkpoint:
             load_checkpoint(Path(checkpoint), module, target, cls.name)
         return module.eval().requires_grad_(False)
+
+    @classmethod
+    def decoding_options(cls, options: dict) -> dict:
+        """The recorded module options a checkpoint is rebuilt with for decoding (training-only ones dropped)."""
+        return options
 
     @classmethod
     @abstractmethod

@@ -38,13 +38,17 @@ class EagleHead(nn.Module):
         self.body = type(target.decoder)(cfg)
         self.body.embed_tokens = None  # inputs are FC outputs; tokens are embedded with the target's table
         self.body.norm = nn.Identity()  # f^ feeds the LM head directly, like the target's (already normed) feature
+        self.router: nn.Module | None = None  # CORAL's LM-head router (drafters/coral.py), attached in its stage 2
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, cache: DynamicCache | None = None,
-                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """emb, feat [B, Q, H] -> predicted next features [B, Q, H]."""
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                route: bool = False):
+        """emb, feat [B, Q, H] -> predicted next features [B, Q, H]; with route=True also the router's group logits
+        [B, Q, N] (inside forward so that DDP sees the router's parameters used)."""
         x = self.fc(torch.cat([emb, feat], dim=-1))
-        return self.body(inputs_embeds=x, past_key_values=cache, position_ids=position_ids,
-                         attention_mask=attention_mask, use_cache=cache is not None).last_hidden_state
+        out = self.body(inputs_embeds=x, past_key_values=cache, position_ids=position_ids,
+                        attention_mask=attention_mask, use_cache=cache is not None).last_hidden_state
+        return (out, self.router(out)) if route else out
 
 
 def _mask(prefix: int, slots: list[list[int]], total: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -89,6 +93,12 @@ class EagleDrafter(TrainableDrafter):
             top1 = (logq.argmax(-1) == p.argmax(-1)).float().mean()
         return reg + cls.w_cls * cls_loss, {"reg": reg.item(), "cls": cls_loss.item(), "top1": top1.item()}
 
+    @staticmethod
+    def draft_logits(head: EagleHead, lm_head: nn.Module, f: torch.Tensor) -> torch.Tensor:
+        """Next-token scores of predicted features f [..., H] -> [..., V]: the target's frozen LM head (CORAL's router
+        variant overrides this)."""
+        return lm_head(f.to(lm_head.weight.dtype))
+
     @classmethod
     @torch.no_grad()
     def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
@@ -98,7 +108,7 @@ class EagleDrafter(TrainableDrafter):
             f = module(embed(input_ids[None, 1 : t + 1]), hidden[None, :t], cache)[:, -1:]  # f^_t
             row = []
             for d in range(depth):
-                x = target.lm_head(f.to(target.dtype)).argmax(-1)  # [1, 1]
+                x = cls.draft_logits(module, target.lm_head, f).argmax(-1)  # [1, 1]
                 row.append(x[0, 0])
                 f = module(embed(x), f, cache, position_ids=torch.tensor([[t + d]], device=f.device))
             out.append(torch.stack(row))
@@ -111,7 +121,7 @@ class EagleDrafter(TrainableDrafter):
         self.pending = (state.hidden, state.tokens[:, 1:])  # pairs (f_i, t_{i+1}), i = 0 .. L-1
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(f.to(self.lm_head.weight.dtype))
+        return self.draft_logits(self.head, self.lm_head, f)
 
     @torch.inference_mode()
     def propose(self, state: TargetState) -> DraftTree:

@@ -36,23 +36,36 @@ def harmonized_mask(length: int, steps: int, dtype: torch.dtype, device) -> torc
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+def harmonized_inputs(emb: torch.Tensor, feats: list[torch.Tensor], pad: torch.Tensor):
+    """The concatenated-steps forward for step j = len(feats): (emb [B, jn, H], feat [B, jn, H], positions [B, jn],
+    additive mask [B, 1, jn, jn])."""
+    b, n, _ = emb.shape
+    j = len(feats)
+    pos = torch.arange(n, device=emb.device).repeat(j)[None].expand(b, -1)
+    mask = harmonized_mask(n, j, emb.dtype, emb.device).expand(b, -1, -1, -1)
+    mask = mask.masked_fill((pad.repeat(1, j) == 0)[:, None, None, :], torch.finfo(emb.dtype).min)
+    return emb.repeat(1, j, 1), torch.cat(feats, dim=1), pos, mask
+
+
+def next_step_input(feat0: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """Step j+1 reads F^j_i, step j's output at position i-1 (position 0 keeps the target feature)."""
+    return torch.cat([feat0[:, :1], pred[:, :-1]], dim=1)
+
+
 def harmonized_steps(module, emb: torch.Tensor, feat0: torch.Tensor, pad: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """emb = e(t_{i+1}) [B, n, H], feat0 = f_i [B, n, H], pad [B, n] (1 = real) -> F^j_{i+1} for j = 1..steps."""
-    b, n, _ = emb.shape
+    n = emb.shape[1]
     feats, preds = [feat0], []
     for j in range(1, steps + 1):
-        pos = torch.arange(n, device=emb.device).repeat(j)[None].expand(b, -1)
-        mask = harmonized_mask(n, j, emb.dtype, emb.device).expand(b, -1, -1, -1)
-        mask = mask.masked_fill((pad.repeat(1, j) == 0)[:, None, None, :], torch.finfo(emb.dtype).min)
-        out = module(emb.repeat(1, j, 1), torch.cat(feats, dim=1), position_ids=pos, attention_mask=mask)
-        preds.append(out[:, (j - 1) * n :])
-        # the next step reads F^j_i, step j's output at position i-1 (position 0 keeps the target feature)
-        feats.append(torch.cat([feat0[:, :1], preds[-1][:, :-1]], dim=1))
+        e, f, pos, mask = harmonized_inputs(emb, feats, pad)
+        preds.append(module(e, f, position_ids=pos, attention_mask=mask)[:, (j - 1) * n :])
+        feats.append(next_step_input(feat0, preds[-1]))
     return preds
 
 
 class HassDrafter(EagleDrafter):
     name = "hass"
+    w_reg = 1.0  # EAGLE's weights; CORAL halves w_reg
 
     @classmethod
     def build_module(cls, target, steps: int = 3, topk: int = 10, topk_weight: float = 0.5):
@@ -61,7 +74,9 @@ class HassDrafter(EagleDrafter):
         return head
 
     @classmethod
-    def training_loss(cls, module, batch, target):
+    def step_losses(cls, module, batch, target):
+        """Per-step EAGLE + Top-K losses, averaged over the n steps. Returns (loss, parts, masked predictions
+        [F^j at loss positions, each [M, H]], the targets f [M, H])."""
         head = getattr(module, "module", module)
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1}) [B, n, H]
         mask_tok = batch.loss_mask[:, 2:].bool()  # F_{i+1} -> predicts t_{i+2}
@@ -69,14 +84,20 @@ class HassDrafter(EagleDrafter):
         with torch.no_grad():
             p = target.lm_head(true.to(target.dtype)).float().softmax(-1)
             top_p, top_idx = p.topk(head.topk, dim=-1)
-        loss, parts = 0.0, {}
+        loss, parts, preds = 0.0, {}, []
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], head.steps)
         for j, pred_all in enumerate(steps, 1):
             pred = pred_all[:, :-1][mask_tok]
+            preds.append(pred)
             reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
             logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
             cls_loss = -(p * logq).sum(-1).mean()
             topk_loss = -(top_p * logq.gather(-1, top_idx)).sum(-1).mean()
-            loss = loss + (reg + cls.w_cls * cls_loss + head.topk_weight * topk_loss) / head.steps
+            loss = loss + (cls.w_reg * reg + cls.w_cls * cls_loss + head.topk_weight * topk_loss) / head.steps
             parts[f"reg{j}"], parts[f"top{j}"] = reg.item(), topk_loss.item()
+        return loss, parts, preds, true
+
+    @classmethod
+    def training_loss(cls, module, batch, target):
+        loss, parts, _, _ = cls.step_losses(module, batch, target)
         return loss, parts

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from drafters.coral import CoralRouterDrafter
 from drafters.eagle import EagleDrafter
 from drafters.medusa import MedusaDrafter
 from drafters.pld import PromptLookup
@@ -81,6 +82,9 @@ def tv(counts: Counter, law: dict, n: int) -> float:
 DRAFTERS = {
     "eagle2-dynamic-tree": lambda t: seeded(EagleDrafter, t, tree={"kind": "dynamic", "depth": 3, "topk": 3,
                                                                     "total_tokens": 8}),
+    # the router leaves most of the vocabulary unreachable (q = 0 outside one of 4 groups): still lossless
+    "coral-router-dynamic-tree": lambda t: seeded(CoralRouterDrafter, t, module={"groups": 4, "active": 1},
+                                                  tree={"kind": "dynamic", "depth": 3, "topk": 2, "total_tokens": 6}),
     "medusa-static-tree": lambda t: seeded(MedusaDrafter, t, module={"num_heads": 2},
                                            tree=[[0], [1], [0, 0], [0, 1], [1, 0]]),
     "sd-sampling": lambda t: IndependentDrafter(t, gamma=3, module={"init_layers": [0, 1, 2]}),

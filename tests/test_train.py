@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafters.coral import CoralDrafter, CoralRouterDrafter
 from drafters.eagle import EagleDrafter
 from drafters.hass import HassDrafter
 from drafters.medusa import MedusaDrafter
@@ -104,7 +105,7 @@ def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass"])
+@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass", "coral"])
 def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(make_cfg, tmp_path, sharegpt_file,
                                                                               tiny_target, drafter):
     cfg = make_cfg(f"drafter={drafter}", *train_overrides(tmp_path, sharegpt_file))
@@ -117,8 +118,23 @@ def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(mak
     assert any(r["kind"] == "train" and "loss" in r for r in log)
     meta = read_meta(final)
     assert meta["target"] == "tiny" and meta["drafter"] == drafter
-    cls = {"sd": IndependentDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter, "hass": HassDrafter}[drafter]
+    cls = {"sd": IndependentDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter, "hass": HassDrafter,
+           "coral": CoralDrafter}[drafter]
     d = cls(tiny_target, checkpoint=str(final))
+    prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
+    assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)
+
+
+def test_coral_router_second_stage_on_the_trained_head(make_cfg, tmp_path, sharegpt_file, tiny_target):
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1})
+    head = Trainer(make_cfg("drafter=coral", *over)).run()
+    final = Trainer(make_cfg("drafter=coral_router", f"drafter.module.base={head}", "drafter.module.groups=4",
+                             *over)).run()
+    assert "hit1" in {k for r in read_jsonl(final.parent / "log.jsonl") for k in r}
+    d = CoralRouterDrafter(tiny_target, checkpoint=str(final))  # decodes without the stage-1 checkpoint's path
+    assert d.head.router.groups == 4
+    torch.testing.assert_close(d.head.fc.weight, CoralDrafter(tiny_target, checkpoint=str(head)).head.fc.weight,
+                               atol=1e-2, rtol=1e-2)  # bf16 checkpoints
     prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
     assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)
 

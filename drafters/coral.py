@@ -1,0 +1,151 @@
+"""CORAL (Weng et al., papers/003): HASS-style multi-step training plus Cross-Step Representation Alignment (`coral`),
+and the LM-head router trained in a second stage on the frozen CORAL head (`coral_router`). EAGLE head and
+EAGLE-2 tree at decoding time, like HASS.
+
+CSRA (Sec. 3.1, Eq. 2-3). The n harmonized steps predict, at every loss position i, features F^1_i .. F^n_i of the
+same next token; with the target's feature f_i they are n + 1 views of one sample. Features are L2-normalised and
+    L_CSRA = mean over anchors z of  -log( sum_{z+ in P(z)} exp(z.z+/tau) / sum_{z' in Z \\ {z}} exp(z.z'/tau) ),
+anchors = every step's output, P(z) = the other views of its position, Z = all views of all positions in the batch
+(targets included), tau = 0.07 (App. A). Total loss per step: w_reg L_reg + w_cls L_cls (+ HASS's Top-K term),
+w_reg = 0.5 (half of EAGLE's), w_cls = 0.1 (EAGLE's), averaged over steps, plus w_csra L_CSRA. App. A sets w_csra
+per target so that w_csra L_CSRA ~ w_reg L_reg; conf/drafter/coral.yaml records the value measured that way here.
+Our choice where the paper's equation did not survive the text: CSRA is computed once over all n steps (every step's
+outputs are anchors), which sums the per-step terms of Eq. 2.
+
+LM-head router (Sec. 3.3, Eq. 7-9). The vocabulary is split into N equal contiguous groups (token ids, so BPE's
+frequent low ids share groups; App. D); a router r = softmax(W h) [N] (Eq. 7: one linear layer on the draft
+feature h) picks the top-k groups; q(x) = r_g(x) * softmax(logits within g(x))[x] for x in an active group, 0
+elsewhere (Eq. 8). Only the active groups' rows of the LM head are multiplied. Router loss (Eq. 9): cross-entropy
+against the target's probability mass per group, sum_{x in g} p(x); trained in a second stage on the frozen CORAL head
+(the head runs its n harmonized steps so the router sees the features it meets while drafting). Paper: N=16, top-2.
+Drafting stays lossless: the router only changes which tokens are proposed; verification is the engine's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafters.hass import HassDrafter, harmonized_inputs, harmonized_steps, next_step_input
+
+
+def csra_loss(preds: list[torch.Tensor], true: torch.Tensor, temperature: float) -> torch.Tensor:
+    """InfoNCE across steps. preds: n tensors [M, H] (step outputs at the same M positions), true [M, H]."""
+    views = torch.stack([*preds, true]).float()  # [n+1, M, H]
+    v, m, _ = views.shape
+    z = F.normalize(views.reshape(v * m, -1), dim=-1)
+    sim = (z[: (v - 1) * m] @ z.T) / temperature  # anchors = the step outputs, [(v-1)M, vM]
+    rows = torch.arange((v - 1) * m, device=z.device)
+    sim[rows, rows] = float("-inf")  # a view is not its own negative
+    same = (rows % m)[:, None] == (torch.arange(v * m, device=z.device) % m)[None]  # positives: same position
+    same[rows, rows] = False
+    log_all = sim.logsumexp(-1)
+    log_pos = sim.masked_fill(~same, float("-inf")).logsumexp(-1)
+    return (log_all - log_pos).mean()
+
+
+class CoralDrafter(HassDrafter):
+    name = "coral"
+    w_reg = 0.5  # App. A: half of EAGLE's regression weight
+
+    @classmethod
+    def build_module(cls, target, steps: int = 3, topk: int = 10, topk_weight: float = 0.5,
+                     csra_weight: float = 0.06, temperature: float = 0.07):
+        head = super().build_module(target, steps=steps, topk=topk, topk_weight=topk_weight)
+        head.csra_weight, head.temperature = csra_weight, temperature
+        return head
+
+    @classmethod
+    def training_loss(cls, module, batch, target):
+        head = getattr(module, "module", module)
+        loss, parts, preds, true = cls.step_losses(module, batch, target)
+        csra = csra_loss(preds, true, head.temperature)
+        parts["csra"] = csra.item()
+        return loss + head.csra_weight * csra, parts
+
+
+class LMHeadRouter(nn.Module):
+    """Eq. 7: group logits W h [..., N] for a vocabulary of `vocab` tokens in N contiguous groups."""
+
+    def __init__(self, hidden: int, vocab: int, groups: int, active: int):
+        super().__init__()
+        if not 1 <= active <= groups <= vocab:
+            raise ValueError(f"router needs 1 <= active ({active}) <= groups ({groups}) <= vocab ({vocab})")
+        self.proj = nn.Linear(hidden, groups, bias=False)
+        self.vocab, self.groups, self.active = vocab, groups, active
+        self.group_size = -(-vocab // groups)  # the last group may be shorter
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h)
+
+    def group_mass(self, p: torch.Tensor) -> torch.Tensor:
+        """Eq. 9's target: probability mass per group. p [M, V] -> [M, N]."""
+        pad = self.groups * self.group_size - p.shape[-1]
+        return F.pad(p, (0, pad)).view(*p.shape[:-1], self.groups, self.group_size).sum(-1)
+
+    def log_probs(self, weight: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """Eq. 8 with only the top-`active` groups of each row computed. weight [V, H] (the LM head's),
+        f [..., H] -> log q [..., V] (-inf outside the row's active groups)."""
+        shape, f = f.shape, f.reshape(-1, f.shape[-1])
+        log_r = self.proj(f.to(self.proj.weight.dtype)).float().log_softmax(-1)  # [R, N]
+        top = log_r.topk(self.active, dim=-1).indices  # [R, k]
+        out = torch.full((f.shape[0], self.vocab), float("-inf"), device=f.device)
+        x = f.to(weight.dtype)
+        for g in top.unique().tolist():  # each active group's rows of the LM head once, for the rows that chose it
+            rows = (top == g).any(-1).nonzero()[:, 0]
+            lo, hi = g * self.group_size, min((g + 1) * self.group_size, self.vocab)
+            inner = F.linear(x[rows], weight[lo:hi]).float().log_softmax(-1)  # in-group softmax, [r, hi-lo]
+            out[rows, lo:hi] = inner + log_r[rows, g : g + 1]
+        return out.reshape(*shape[:-1], self.vocab)
+
+
+class CoralRouterDrafter(CoralDrafter):
+    """`coral_router`: the frozen CORAL head (stage 1, `base`) plus a trained LM-head router (stage 2)."""
+
+    name = "coral_router"
+
+    @classmethod
+    def build_module(cls, target, base: str | None = None, groups: int = 16, active: int = 2, **coral_options):
+        from specbench.checkpoints import load_checkpoint, read_meta
+
+        if base:  # training: start from the trained stage-1 head, with the options it was trained with
+            coral_options = {**read_meta(base).get("module", {}), **coral_options}
+        head = CoralDrafter.build_module(target, **coral_options)
+        if base:
+            load_checkpoint(base, head, target, CoralDrafter.name)
+        head.requires_grad_(False)  # stage 2 trains the router only
+        head.router = LMHeadRouter(target.hidden_size, target.lm_head.weight.shape[0], groups, active)
+        return head.to(target.device)
+
+    @classmethod
+    def decoding_options(cls, options: dict) -> dict:
+        # the router checkpoint holds the head's weights too: the stage-1 `base` is not needed to decode
+        return {k: v for k, v in options.items() if k != "base"}
+
+    @staticmethod
+    def draft_logits(head, lm_head, f):
+        return head.router.log_probs(lm_head.weight, f)
+
+    @classmethod
+    def training_loss(cls, module, batch, target):
+        head = getattr(module, "module", module)
+        emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])
+        feat0, pad = batch.hidden[:, :-1], batch.attn_mask[:, 1:]
+        mask_tok = batch.loss_mask[:, 2:].bool()
+        with torch.no_grad():  # the frozen head's own features for steps 1 .. n-1, as while drafting
+            feats = [feat0]
+            if head.steps > 1:
+                feats += [next_step_input(feat0, p) for p in harmonized_steps(head, emb, feat0, pad, head.steps - 1)]
+            p = target.lm_head(batch.hidden[:, 1:-1][mask_tok].to(target.dtype)).float().softmax(-1)
+            mass = head.router.group_mass(p)  # [M, N]
+        e, f, pos, mask = harmonized_inputs(emb, feats, pad)
+        _, logits = module(e, f, position_ids=pos, attention_mask=mask, route=True)  # [B, n*T, N]
+        n = emb.shape[1]
+        loss, parts = 0.0, {}
+        for j in range(head.steps):
+            logr = logits[:, j * n : (j + 1) * n][:, :-1][mask_tok].float().log_softmax(-1)
+            step = -(mass * logr).sum(-1).mean()
+            loss = loss + step / head.steps
+            hit = (logr.topk(head.router.active, -1).indices == mass.argmax(-1, keepdim=True)).any(-1)
+            parts[f"router{j + 1}"], parts[f"hit{j + 1}"] = step.item(), hit.float().mean().item()
+        return loss, parts
