@@ -13,7 +13,7 @@ PERF_ARGS ?=
 TRAIN    ?= embedded
 TRAIN_DRAFTERS ?= sd medusa eagle
 
-.PHONY: setup test test-fast bench perf train
+.PHONY: setup test test-fast bench perf train trainmem figures
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: setup
 # Our engine vs transformers' assisted generation / prompt lookup on the same prompts, in one process.
 perf: setup
 	$(BIN)/python -m specbench.perf model=$(MODEL) $(PERF_ARGS)
+
+# Peak training memory and step time vs simulated steps: Beagle's late stage vs HASS (results/trainmem/).
+trainmem: setup
+	$(BIN)/python -m specbench.trainmem model=$(MODEL) $(ARGS)
 
 # Train every drafter with the same budget (conf/train/$(TRAIN).yaml) and copy the final weights, with their
 # validation log, to weights/$(MODEL)/<drafter>/ (what the drafter configs load). Resumes from checkpoints/;

@@ -14,6 +14,7 @@ target's frozen weights (embeddings, LM head) at construction is allowed and is 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -102,6 +103,13 @@ class TrainableDrafter(Drafter):
     @abstractmethod
     def training_loss(cls, module, batch, target) -> tuple["torch.Tensor", dict[str, float]]:
         """Scalar loss and named parts (for the logs)."""
+
+    @classmethod
+    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple["torch.Tensor", dict[str, float]]]:
+        """The losses of one batch as independent graphs, backpropagated one after another (gradients accumulate):
+        by default the single `training_loss`. `epoch` lets staged methods (Beagle) switch objectives."""
+        del epoch
+        yield cls.training_loss(module, batch, target)
 
     @classmethod
     @abstractmethod

@@ -85,6 +85,14 @@ class TrainConfig:
 
 
 @dataclass
+class TrainMemConfig:
+    """specbench/trainmem.py: which methods and how many simulated steps."""
+
+    methods: list[str] = field(default_factory=lambda: ["beagle", "hass"])
+    steps: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+
+
+@dataclass
 class OutConfig:
     root: str = "results"
     experiment: str = "adhoc"
@@ -103,6 +111,7 @@ class RunConfig:
     seed: int = 0
     out: OutConfig = field(default_factory=OutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    trainmem: TrainMemConfig = field(default_factory=TrainMemConfig)
 
 
 def register_schema() -> None:

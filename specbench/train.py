@@ -238,19 +238,27 @@ class Trainer:
                 add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step, tc)
-                with autocast:
-                    loss, parts = self.cls.training_loss(model, batch, self.target)
-                if not math.isfinite(loss.item()):
-                    raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                loss, parts = 0.0, {}
+                # one or more independent graphs (Beagle's simulated steps), each backpropagated as soon as it is
+                # built, so that peak memory is one graph's; gradients accumulate
+                pieces = self.cls.training_steps(model, batch, self.target, epoch)
+                while True:
+                    with autocast:
+                        piece = next(pieces, None)
+                    if piece is None:
+                        break
+                    if not math.isfinite(piece[0].item()):
+                        raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
+                    piece[0].backward()
+                    loss, parts = loss + piece[0].item(), {**parts, **piece[1]}
                 gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
                 opt.step()
                 step += 1
                 tokens += batch.tokens
-                bar.set_postfix(loss=f"{loss.item():.3f}")
+                bar.set_postfix(loss=f"{loss:.3f}")
                 if self.rank == 0 and step % tc.log_every == 0:
-                    self._log(logf, {"kind": "train", "epoch": epoch, "step": step, "loss": loss.item(), **parts,
+                    self._log(logf, {"kind": "train", "epoch": epoch, "step": step, "loss": loss, **parts,
                                      "grad_norm": float(gnorm), "lr": lr_at(step, tc),
                                      "tokens_per_s": tokens * self.world / (time.perf_counter() - t0)})
                 if tc.max_steps is not None and step >= tc.max_steps:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafters.beagle import BeagleDrafter
 from drafters.coral import CoralDrafter, CoralRouterDrafter
 from drafters.eagle import EagleDrafter
 from drafters.hass import HassDrafter
@@ -105,7 +106,7 @@ def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass", "coral"])
+@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass", "coral", "beagle"])
 def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(make_cfg, tmp_path, sharegpt_file,
                                                                               tiny_target, drafter):
     cfg = make_cfg(f"drafter={drafter}", *train_overrides(tmp_path, sharegpt_file))
@@ -119,7 +120,7 @@ def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(mak
     meta = read_meta(final)
     assert meta["target"] == "tiny" and meta["drafter"] == drafter
     cls = {"sd": IndependentDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter, "hass": HassDrafter,
-           "coral": CoralDrafter}[drafter]
+           "coral": CoralDrafter, "beagle": BeagleDrafter}[drafter]
     d = cls(tiny_target, checkpoint=str(final))
     prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
     assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)
@@ -154,14 +155,16 @@ def test_a_checkpoint_for_another_target_is_refused(make_cfg, tmp_path, sharegpt
         MedusaDrafter(other, checkpoint=str(final))
 
 
-def test_ddp_two_cpu_processes(tmp_path, sharegpt_file, tiny_checkpoint):
-    over = train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1})
+@pytest.mark.parametrize("drafter", ["medusa", "beagle", "hass"])
+def test_ddp_two_cpu_processes(tmp_path, sharegpt_file, tiny_checkpoint, drafter):
+    """medusa: one graph; beagle: one graph per simulated step (late stage in epoch 2); hass: n forwards, one graph."""
+    over = train_overrides(tmp_path, sharegpt_file)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
-           "-m", "specbench.train", "drafter=medusa", f"model.path={tiny_checkpoint}", "model.name=tiny", *over]
+           "-m", "specbench.train", f"drafter={drafter}", f"model.path={tiny_checkpoint}", "model.name=tiny", *over]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
-    meta = read_meta(tmp_path / "ckpt" / "tiny" / "medusa" / "final")
+    meta = read_meta(tmp_path / "ckpt" / "tiny" / drafter / "final")
     assert meta["world_size"] == 2
 
 
@@ -209,3 +212,20 @@ def test_medusa_self_distillation_labels_are_the_targets_law_at_each_offset():
         soft = t.lm_head(h[:, k:-1][mask]).softmax(-1)
         ref = ref + 0.8**k * -(soft * logits.log_softmax(-1)).sum(-1).mean()
     torch.testing.assert_close(loss, ref)
+
+
+def test_trainmem_graph_memory_is_flat_for_beagle_and_grows_for_hass(tmp_path, sharegpt_file, tiny_checkpoint):
+    """The exact saved-for-backward bytes: Beagle's late stage keeps 2T keys whatever s; HASS's graph grows with s."""
+    from hydra import compose, initialize_config_dir
+
+    from specbench import trainmem
+
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.max_len": 40})
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="trainmem", overrides=[f"model.path={tiny_checkpoint}", "model.name=tiny",
+                                                         "trainmem.steps=[2,3]", "bench.repeats=1", *over])
+        todo = trainmem.jobs(cfg)
+    rows = {(r["method"], r["steps"]): r for r in map(trainmem.measure, todo)}
+    assert rows["beagle", 3]["graph_bytes"] == rows["beagle", 2]["graph_bytes"]
+    assert rows["hass", 3]["graph_bytes"] > 1.3 * rows["hass", 2]["graph_bytes"]
+    assert all(r["step_s"] > 0 and r["peak_bytes"] > 0 for r in rows.values())

@@ -1,0 +1,276 @@
+"""Beagle (Zhong et al., "Cross-Attention Speculative Decoding", papers/000 Sec. 4): one cross-attention block.
+
+Model (Eq. 1-2). For position n:  y_n = CrossAttn(h_{1:n-1}, e(t_n)) + e(t_n),  h_n = MLP(y_n) + y_n,
+q_n = softmax(LMHead(h_n)) predicts t_{n+1}. Queries come from token embeddings only, keys/values from higher-level
+states only (the target's true last hidden states, or the drafter's own predicted states); Mask_ij = 0 for j >= i
+(the diagonal too). As in the target's layer: RMSNorm before attention (separately on queries and on states) and
+before the MLP, RoPE at each side's own positions, GQA with the target's head counts, the target's MLP. The LM head
+and embeddings are the target's, frozen and shared (not saved). No final norm (as our EAGLE head): h_n is regressed
+onto the target's already-normalised state.
+
+Decoding. The drafter's KV cache holds K_j, V_j of true states; within an SD iteration each drafted node's predicted
+state is appended ("concate", the paper's best configuration; `concat: false` keeps only true states) and seen by its
+descendants through the tree mask; after verification the drafted entries are cropped and the true states of the
+accepted tokens appended. Tree: EAGLE-2's dynamic tree (depth 1+6, top-k 10, 60 tokens, conf/tree/dynamic.yaml).
+
+Two-Stage Block-Attention Training (Sec. 4.2, App. A.2-A.3). Windows of k (=5) positions start at w0 = eps + w k,
+eps ~ U[0, k) per batch. Query at window position n+i (i = 1..k) keeps its token but sees states only up to n.
+  Early stage (Eq. 4): L_early = sum_{j=1..k} E_{t~p_{n+j}}[-log q^{(j)}_n(t)]: every query is trained, each on the
+  target's next-token distribution at its position, from states j steps stale (= drafting without concate).
+  Late stage (Eq. 6, L_late = L(k, i, beta*)): s (=4) simulated steps; at step i the query at window position i is
+  trained with weight beta*_i = k - i + 1 and sees true states up to n plus the states predicted at steps < i for
+  n+1 .. n+i-1 (= drafting with concate). Predicted states go into a second key buffer of the same length ("in-place
+  adding of next-predicted keys"): attention is always T queries x 2T keys, whatever s.
+  Both stages add the feature regression ("vloss", SmoothL1 to the true state) with coefficient 10 and Gaussian
+  noise N(0, 0.2) on the input states (App. A.3); losses are means over the trained queries of each step.
+Our reading where the text is silent: late-stage steps are independent graphs (predicted states enter the buffer
+detached, like the paper's in-place writes) and are backpropagated one after another (TrainableDrafter.training_steps),
+so peak memory does not grow with s; `late_from_epoch` switches stages (paper: epoch 10 of 20; our budget: 1 of 2).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from drafters.base import HIDDEN, TrainableDrafter
+from drafters.trees import make_tree
+from specbench.types import DraftTree, TargetState, VerifyResult
+
+
+class BeagleBlock(nn.Module):
+    def __init__(self, target):
+        super().__init__()
+        cfg = target.model.config
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        nkv = getattr(cfg, "num_key_value_heads", None) or nh
+        dh = getattr(cfg, "head_dim", None) or h // nh
+        bias = bool(getattr(cfg, "attention_bias", False))
+        norm = type(target.decoder.norm)
+        self.nh, self.nkv, self.dh = nh, nkv, dh
+        self.q_norm, self.kv_norm, self.post_norm = (norm(h, eps=cfg.rms_norm_eps) for _ in range(3))
+        self.q_proj = nn.Linear(h, nh * dh, bias=bias)
+        self.k_proj = nn.Linear(h, nkv * dh, bias=bias)
+        self.v_proj = nn.Linear(h, nkv * dh, bias=bias)
+        self.o_proj = nn.Linear(nh * dh, h, bias=bias)
+        self.mlp = type(target.decoder.layers[0].mlp)(cfg)
+        self.rotary = type(target.decoder.rotary_emb)(config=cfg)
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(x, pos)
+        return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+    def keys(self, states: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [B, K, H] at positions pos [B, K] -> K, V [B, nkv, K, dh] (RoPE on K)."""
+        b, n, _ = states.shape
+        x = self.kv_norm(states)
+        k = self.k_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
+        return self._rope(k, pos), v
+
+    def forward(self, emb: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, states: torch.Tensor | None = None,
+                states_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """emb [B, Q, H] at positions pos [B, Q]; keys/values either cached (kv: K, V [B, nkv, K, dh]) or projected
+        here from states [B, K, H] at states_pos [B, K] (training: inside forward, as DDP wants); allowed
+        [B, 1, Q, K] bool, every row needs one True -> predicted states [B, Q, H]."""
+        k, v = kv if kv is not None else self.keys(states, states_pos)
+        b, n, _ = emb.shape
+        q = self.q_proj(self.q_norm(emb)).view(b, n, self.nh, self.dh).transpose(1, 2)
+        q = self._rope(q, pos)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.nh != self.nkv)
+        y = emb + self.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.dh))
+        return y + self.mlp(self.post_norm(y))
+
+
+def window_starts(length: int, window: int, offset: int, device) -> torch.Tensor:
+    """n(q) for every query position q: the last position whose state the query may see (window start), [L]."""
+    q = torch.arange(length, device=device)
+    rel = (q - offset - 1) % window + 1  # 1..k: the query's place in its window
+    return q - rel
+
+
+def simulated_steps(module, emb: torch.Tensor, states: torch.Tensor, real: torch.Tensor, start: torch.Tensor,
+                    steps: int, trained: list[bool] | None = None) -> Iterator[torch.Tensor]:
+    """Late-stage simulation (Fig. 2, right): yields the block's outputs [B, T, H] at steps i = 1..steps. At step i a
+    query q sees the true states up to its window start n(q), and the states predicted at steps < i for positions
+    n+1 .. min(n+i-1, q-1) of its own window, kept in a second buffer of T keys (detached). Step 1 = the early stage.
+    emb [B, T, H] token embeddings, states [B, T, H] true (noised) states, real [B, T] bool, start [T] = n(q);
+    trained[i-1] False runs step i without autograd (no loss there: it only fills the buffer)."""
+    block = getattr(module, "module", module)
+    b, t, _ = emb.shape
+    idx = torch.arange(t, device=emb.device)
+    pos = idx[None].expand(b, -1)
+    rel = idx - start
+    see_true = (idx[None, :] <= start[:, None])[None] & real[:, None, :]  # [B, T, T]
+    see_true[:, :, 0] |= start[None, :] < 0  # rows with nothing to see get key 0 (never trained)
+    same_win = start[:, None] == start[None, :]
+    pred = torch.zeros_like(states)
+    for i in range(1, steps + 1):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and (trained is None or trained[i - 1])):
+            if i == 1:  # one key buffer: the true states
+                out = module(emb, pos, see_true[:, None], states=states, states_pos=pos)
+            else:  # and the second, of predicted states (a fixed 2T keys whatever i)
+                see_pred = same_win & (rel[None, :] <= i - 1) & (idx[None, :] < idx[:, None])
+                allowed = torch.cat([see_true, see_pred[None] & real[:, None, :]], dim=-1)
+                out = module(emb, pos, allowed[:, None], states=torch.cat([states, pred], 1),
+                             states_pos=torch.cat([pos, pos], 1))
+        yield out
+        pred = torch.where((rel == i)[None, :, None], out.detach(), pred)
+
+
+class BeagleDrafter(TrainableDrafter):
+    name = "beagle"
+    needs = frozenset({HIDDEN})
+
+    def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None,
+                 concat: bool = True):
+        self.block = self.load_module(target, checkpoint, module)
+        self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
+        self.policy = make_tree(**(tree or {"kind": "dynamic"}))
+        self.concat = concat
+        self.k = self.v = None  # [1, nkv, L, dh]: true states, then (while drafting) predicted ones
+        self.verified = 0
+        self.pending: torch.Tensor | None = None  # true states not yet in the cache [1, n, H]
+
+    # ---- training side -------------------------------------------------------------------------------------------
+    @classmethod
+    def build_module(cls, target, window: int = 5, sim_steps: int = 4, late_from_epoch: int = 1,
+                     vloss_weight: float = 10.0) -> BeagleBlock:
+        block = BeagleBlock(target).to(target.device)
+        block.window, block.sim_steps, block.late_from_epoch, block.vloss_weight = (window, sim_steps,
+                                                                                   late_from_epoch, vloss_weight)
+        return block
+
+    @staticmethod
+    def _step_loss(block, out, batch, target, rows: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+        """CE to the target's next-token law + vloss at the query positions `rows` [B, T] bool."""
+        pred, true = out[rows], batch.hidden[rows]  # [M, H]: h^_n vs h_n (q_n predicts t_{n+1})
+        with torch.no_grad():
+            p = target.lm_head(true.to(target.dtype)).float().softmax(-1)
+        logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
+        ce = -(p * logq).sum(-1).mean()
+        vloss = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
+        with torch.no_grad():
+            top1 = (logq.argmax(-1) == p.argmax(-1)).float().mean().item()
+        return ce + block.vloss_weight * vloss, vloss.item(), top1
+
+    @classmethod
+    def training_loss(cls, module, batch, target):
+        """Early stage (Eq. 4), and the single-graph loss used by validation-free callers."""
+        return next(cls.training_steps(module, batch, target, epoch=0))
+
+    @classmethod
+    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple[torch.Tensor, dict]]:
+        block = getattr(module, "module", module)
+        t, dev = batch.input_ids.shape[1], batch.input_ids.device
+        offset = int(torch.randint(0, block.window, (1,)).item())  # eps ~ U[0, k) (torch's seeded stream)
+        start = window_starts(t, block.window, offset, dev)  # n(q), [T]
+        rel = torch.arange(t, device=dev) - start  # the query's place in its window, 1..k
+        # a query trains if it predicts an assistant token (loss_mask of t_{q+1}) and sees at least one state
+        trainable = torch.zeros_like(batch.attn_mask, dtype=torch.bool)
+        trainable[:, :-1] = batch.loss_mask[:, 1:].bool()
+        trainable &= (start >= 0)[None]
+        emb = target.decoder.embed_tokens(batch.input_ids)
+        real = batch.attn_mask.bool()
+        if epoch < block.late_from_epoch:  # early stage: one pass, every query, states up to its window start
+            out = next(simulated_steps(module, emb, batch.hidden_in, real, start, 1))
+            loss, vloss, top1 = cls._step_loss(block, out, batch, target, trainable)
+            yield block.window * loss, {"stage": 0, "vloss": vloss, "top1": top1}
+            return
+        rows = [trainable & (rel == i)[None] for i in range(1, block.sim_steps + 1)]
+        trained = [bool(r.any()) for r in rows]
+        for i, out in enumerate(simulated_steps(module, emb, batch.hidden_in, real, start, block.sim_steps, trained), 1):
+            if trained[i - 1]:
+                loss, vloss, top1 = cls._step_loss(block, out, batch, target, rows[i - 1])
+                yield (block.window - i + 1) * loss, {"stage": 1, f"vloss{i}": vloss, f"top1_{i}": top1}
+
+    @classmethod
+    @torch.no_grad()
+    def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
+        embed, out = target.decoder.embed_tokens, []
+        for t in positions:
+            states, spos = hidden[None, :t], torch.arange(t, device=hidden.device)[None]
+            tok, row = input_ids[t : t + 1], []
+            for d in range(depth):
+                allowed = torch.ones(1, 1, 1, states.shape[1], dtype=torch.bool, device=hidden.device)
+                h = module(embed(tok)[None], torch.tensor([[t + d]], device=hidden.device), allowed, states=states,
+                           states_pos=spos)
+                tok = target.lm_head(h.to(target.dtype))[0, -1].argmax(-1, keepdim=True)
+                row.append(tok[0])
+                states = torch.cat([states, h], 1)  # concate: the predicted state becomes a key
+                spos = torch.cat([spos, torch.tensor([[t + d]], device=hidden.device)], 1)
+            out.append(torch.stack(row))
+        return torch.stack(out)
+
+    # ---- decoding side -------------------------------------------------------------------------------------------
+    def prefill(self, state: TargetState) -> None:
+        self.k = self.v = None
+        self.verified = 0
+        self.pending = state.hidden  # true states of positions 0 .. L-1; the root t_L has none yet
+
+    def _append(self, states: torch.Tensor, pos: torch.Tensor) -> None:
+        k, v = self.block.keys(states.to(self.block.q_proj.weight.dtype), pos)
+        self.k = k if self.k is None else torch.cat([self.k, k], 2)
+        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h.to(self.lm_head.weight.dtype))
+
+    @torch.inference_mode()
+    def propose(self, state: TargetState) -> DraftTree:
+        n = self.pending.shape[1]
+        self._append(self.pending, torch.arange(self.verified, self.verified + n, device=self.device)[None])
+        self.verified += n
+        root_pos = self.verified  # the root token's position
+        slot: dict[int, int] = {}  # node (-1 = root) -> its predicted state's cache entry
+        parent_of: dict[int, int] = {}
+        depth: dict[int, int] = {-1: 0}
+
+        def run(tokens: list[int], rows: list[list[int]], pos: list[int]) -> torch.Tensor:
+            total = self.k.shape[2]
+            allowed = torch.zeros(1, 1, len(tokens), total, dtype=torch.bool, device=self.device)
+            allowed[..., : self.verified] = True
+            for r, cols in enumerate(rows):
+                allowed[0, 0, r, cols] = True
+            emb = self.embed(torch.tensor([tokens], device=self.device))
+            p = torch.tensor([pos], device=self.device)
+            h = self.block(emb.to(self.block.q_proj.weight.dtype), p, allowed, kv=(self.k, self.v))  # [1, R, H]
+            if self.concat:
+                first = self.k.shape[2]
+                self._append(h, p)
+                return h[0], first
+            return h[0], None
+
+        h_root, first = run([int(state.tokens[0, -1])], [[]], [root_pos])
+        if first is not None:
+            slot[-1] = first
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            rows = []
+            for node, par in zip(nodes, parents):
+                parent_of[node], depth[node] = par, depth[par] + 1
+                anc, a = [], par  # strictly earlier: the node's ancestors and the root, never itself
+                while True:
+                    if a in slot:
+                        anc.append(slot[a])
+                    if a < 0:
+                        break
+                    a = parent_of[a]
+                rows.append(anc)
+            h, first = run(tokens, rows, [root_pos + depth[v] for v in nodes])
+            if first is not None:
+                for j, node in enumerate(nodes):
+                    slot[node] = first + j
+            return self._logits(h)
+
+        grown = self.policy.grow(self._logits(h_root[0]), expand)
+        self.k, self.v = self.k[:, :, : self.verified], self.v[:, :, : self.verified]  # drop drafted states
+        return DraftTree(tokens=torch.tensor([grown.tokens], device=self.device),
+                         parents=torch.tensor([grown.parents], device=self.device))
+
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        self.pending = state.hidden  # true states of the root and the accepted path
