@@ -42,19 +42,26 @@ from specbench.types import DraftTree, TargetState, VerifyResult
 
 
 class BeagleBlock(nn.Module):
-    def __init__(self, target):
+    """Cross-attention block: queries from [.., H] inputs, keys/values from [.., kv_dim] states (default H), the
+    target's MLP (width `intermediate`, default the target's). MoA's CA layer is the same block over LSA outputs."""
+
+    def __init__(self, target, kv_dim: int | None = None, intermediate: int | None = None):
         super().__init__()
         cfg = target.model.config
+        if intermediate is not None:
+            cfg = cfg.__class__.from_dict({**cfg.to_dict(), "intermediate_size": intermediate})
         h, nh = cfg.hidden_size, cfg.num_attention_heads
+        kv_dim = kv_dim or h
         nkv = getattr(cfg, "num_key_value_heads", None) or nh
         dh = getattr(cfg, "head_dim", None) or h // nh
         bias = bool(getattr(cfg, "attention_bias", False))
         norm = type(target.decoder.norm)
         self.nh, self.nkv, self.dh = nh, nkv, dh
-        self.q_norm, self.kv_norm, self.post_norm = (norm(h, eps=cfg.rms_norm_eps) for _ in range(3))
+        self.q_norm, self.post_norm = norm(h, eps=cfg.rms_norm_eps), norm(h, eps=cfg.rms_norm_eps)
+        self.kv_norm = norm(kv_dim, eps=cfg.rms_norm_eps)
         self.q_proj = nn.Linear(h, nh * dh, bias=bias)
-        self.k_proj = nn.Linear(h, nkv * dh, bias=bias)
-        self.v_proj = nn.Linear(h, nkv * dh, bias=bias)
+        self.k_proj = nn.Linear(kv_dim, nkv * dh, bias=bias)
+        self.v_proj = nn.Linear(kv_dim, nkv * dh, bias=bias)
         self.o_proj = nn.Linear(nh * dh, h, bias=bias)
         self.mlp = type(target.decoder.layers[0].mlp)(cfg)
         self.rotary = type(target.decoder.rotary_emb)(config=cfg)

@@ -25,19 +25,28 @@ from drafters.trees import make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
+def one_layer_decoder(target, **overrides) -> nn.Module:
+    """A one-layer decoder of the target's architecture (its attention, positions, MLP; config `overrides`), fed
+    with inputs_embeds: no token table, no final norm (outputs feed the target's LM head or another layer)."""
+    base = target.model.config
+    cfg = base.__class__.from_dict({**base.to_dict(), **overrides})
+    cfg.num_hidden_layers, cfg.vocab_size, cfg.pad_token_id = 1, 1, None  # no token table of its own
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:1]
+    body = type(target.decoder)(cfg)
+    body.embed_tokens = None
+    body.norm = nn.Identity()
+    return body
+
+
 class EagleHead(nn.Module):
     def __init__(self, target):
         super().__init__()
-        base = target.model.config
-        cfg = base.__class__.from_dict(base.to_dict())
-        cfg.num_hidden_layers, cfg.vocab_size, cfg.pad_token_id = 1, 1, None  # no token table of its own
-        if getattr(cfg, "layer_types", None):
-            cfg.layer_types = cfg.layer_types[:1]
         h = target.hidden_size
         self.fc = nn.Linear(2 * h, h)
-        self.body = type(target.decoder)(cfg)
-        self.body.embed_tokens = None  # inputs are FC outputs; tokens are embedded with the target's table
-        self.body.norm = nn.Identity()  # f^ feeds the LM head directly, like the target's (already normed) feature
+        # inputs are FC outputs (tokens are embedded with the target's table); f^ feeds the LM head directly, like the
+        # target's (already normed) feature
+        self.body = one_layer_decoder(target)
         self.router: nn.Module | None = None  # CORAL's LM-head router (drafters/coral.py), attached in its stage 2
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, cache: DynamicCache | None = None,

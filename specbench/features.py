@@ -22,6 +22,7 @@ from specbench.errors import SpecbenchError
 from specbench.records import atomic_write_json
 from specbench.target import TargetModel, cache_kv
 
+PRE_LAYERS = 3  # with kv: also the residual inputs of the last 3 target layers (what MoA's TLI <= 3 regresses onto)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -68,6 +69,7 @@ class FeatureSet:
             if kv:
                 layers = self.manifest["num_layers"]
                 out["kv"] = [(f.get_tensor(f"{j}.k{l}"), f.get_tensor(f"{j}.v{l}")) for l in range(layers)]
+                out["pre"] = [f.get_tensor(f"{j}.pre{b}") for b in range(1, min(PRE_LAYERS, layers) + 1)]
         out["input_ids"] = out["input_ids"].long()
         return out
 
@@ -98,14 +100,18 @@ def extract(target: TargetModel, convs: list[Encoded], out: Path, dtype: str = "
             for j, enc in enumerate(group):
                 ids = torch.tensor([enc.input_ids], device=target.device)
                 cache = target.new_cache()
-                fwd = target.forward(ids, cache, logits_rows=slice(0, 0))
+                with torch.inference_mode():
+                    res = target.decoder(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=kv)
                 tensors[f"{j}.input_ids"] = ids[0].to(torch.int32).cpu()
                 tensors[f"{j}.loss_mask"] = torch.tensor(enc.loss_mask, dtype=torch.uint8)
-                tensors[f"{j}.hidden"] = fwd.hidden[0].to(DTYPES[dtype]).cpu().contiguous()
+                tensors[f"{j}.hidden"] = res.last_hidden_state[0].to(DTYPES[dtype]).cpu().contiguous()
                 if kv:
                     for l, (k, v) in enumerate(cache_kv(cache)):
                         tensors[f"{j}.k{l}"] = k[0].to(DTYPES[dtype]).cpu().contiguous()
                         tensors[f"{j}.v{l}"] = v[0].to(DTYPES[dtype]).cpu().contiguous()
+                    layers = len(res.hidden_states) - 1
+                    for back in range(1, min(PRE_LAYERS, layers) + 1):  # residual input of layer L-back (MoA's TLI)
+                        tensors[f"{j}.pre{back}"] = res.hidden_states[layers - back][0].to(DTYPES[dtype]).cpu().contiguous()
                 bar.update(1)
             tmp = out / f".{file}.tmp"
             out.mkdir(parents=True, exist_ok=True)

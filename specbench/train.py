@@ -30,7 +30,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from drafters.base import TrainableDrafter
+from drafters.base import KV, TrainableDrafter
 from specbench import envinfo
 from specbench.checkpoints import load_checkpoint, read_meta, save_checkpoint, target_fingerprint
 from specbench.config import ModelConfig, TrainConfig, register_schema, to_dataclass
@@ -56,6 +56,8 @@ class Batch:
     attn_mask: torch.Tensor  # [B, T] 1 on real tokens
     hidden: torch.Tensor  # [B, T, H] float32 target last hidden states, clean (regression / distillation targets)
     hidden_in: torch.Tensor | None = None  # [B, T, H] the same with the configured noise: what drafters read as input
+    kv: torch.Tensor | None = None  # [B, T, L, 2 * kv_heads * head_dim] per token and layer: (K, V), drafters needing KV
+    pre: torch.Tensor | None = None  # [B, T, P, H] residual inputs of target layers L-1 .. L-P (P = features.PRE_LAYERS)
 
     @property
     def tokens(self) -> int:
@@ -73,7 +75,17 @@ def collate(items: list[dict], device: torch.device) -> Batch:
         n = len(x["input_ids"])
         ids[i, :n], loss[i, :n], attn[i, :n], hid[i, :n] = x["input_ids"], x["loss_mask"], 1, x["hidden"].float()
     hid = hid.to(device)
-    return Batch(ids.to(device), loss.to(device), attn.to(device), hid, hid)
+    kv = pre = None
+    if "kv" in items[0]:  # (K, V) [kv_heads, n, head_dim] per layer -> [n, L, 2 * kv_heads * head_dim]
+        per_token = [torch.stack([torch.cat([k.transpose(0, 1).flatten(1), v.transpose(0, 1).flatten(1)], -1)
+                                  for k, v in x["kv"]], 1) for x in items]
+        kv = torch.zeros(b, t, *per_token[0].shape[1:])
+        pre = torch.zeros(b, t, len(items[0]["pre"]), h)
+        for i, x in enumerate(items):
+            n = len(x["input_ids"])
+            kv[i, :n], pre[i, :n] = per_token[i].float(), torch.stack(x["pre"], 1).float()
+        kv, pre = kv.to(device), pre.to(device)
+    return Batch(ids.to(device), loss.to(device), attn.to(device), hid, hid, kv, pre)
 
 
 def add_noise(batch: Batch, kind: str, scale: float, gen: torch.Generator) -> None:
@@ -203,8 +215,8 @@ class Trainer:
     def run(self) -> Path:
         tc, dev = self.tc, self.target.device
         torch.manual_seed(tc.seed)
-        train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=getattr(self.cls, "needs_kv", False),
-                                              rank=self.rank)
+        needs_kv = KV in getattr(self.cls, "needs", ())
+        train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=needs_kv, rank=self.rank)
         module = self.cls.build_module(self.target, **self.module_options).to(dev)
         module.train()
         params = [p for p in module.parameters() if p.requires_grad]
@@ -234,7 +246,7 @@ class Trainer:
             bar = tqdm(batches, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch",
                        disable=self.rank != 0, dynamic_ncols=True)
             for b in bar:
-                batch = collate([train_set.load(*index[i]) for i in b], dev)
+                batch = collate([train_set.load(*index[i], kv=needs_kv) for i in b], dev)
                 add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step, tc)

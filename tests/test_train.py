@@ -14,6 +14,7 @@ from drafters.coral import CoralDrafter, CoralRouterDrafter
 from drafters.eagle import EagleDrafter
 from drafters.hass import HassDrafter
 from drafters.medusa import MedusaDrafter
+from drafters.moa import MoADrafter
 from drafters.sd import IndependentDrafter
 from specbench.checkpoints import read_meta
 from specbench.conversations import Conversation, encode, iter_records, load_conversations
@@ -106,7 +107,7 @@ def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass", "coral", "beagle"])
+@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass", "coral", "beagle", "moa", "moa_tli1"])
 def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(make_cfg, tmp_path, sharegpt_file,
                                                                               tiny_target, drafter):
     cfg = make_cfg(f"drafter={drafter}", *train_overrides(tmp_path, sharegpt_file))
@@ -118,9 +119,9 @@ def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(mak
                for r in vals)
     assert any(r["kind"] == "train" and "loss" in r for r in log)
     meta = read_meta(final)
-    assert meta["target"] == "tiny" and meta["drafter"] == drafter
     cls = {"sd": IndependentDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter, "hass": HassDrafter,
-           "coral": CoralDrafter, "beagle": BeagleDrafter}[drafter]
+           "coral": CoralDrafter, "beagle": BeagleDrafter, "moa": MoADrafter, "moa_tli1": MoADrafter}[drafter]
+    assert meta["target"] == "tiny" and meta["drafter"] == cls.name  # configs of one class share its name
     d = cls(tiny_target, checkpoint=str(final))
     prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
     assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)

@@ -1,0 +1,330 @@
+"""MoA, Mixture of Attentions (Zimmer et al., papers/002 Sec. 3, App. A.1, A.3).
+
+Information flow (Fig. 1, Algorithm 1):
+  Layer Self-Attention (LSA): per verified token, the target's per-layer (K, V) [L, 2 E_kv] attend to each other across
+    layers (bidirectional), then a mean over layers -> [2 E_kv]; computed once per drafting cycle for the newly
+    verified tokens only (their activations do not change afterwards).
+  Self-Attention (SA): causal self-attention over the token embeddings (prompt, verified and drafted tokens; tree
+    mask while drafting) -> the draft queries.
+  Cross-Attention (CA): SA outputs attend to the LSA outputs of verified tokens only (T-step bounded: drafted tokens
+    have no target activations) -> o^_{L+1-TLI}, the activation entering the last TLI target layers.
+  Target Layer Inference (TLI, Sec. 3.2): for TLI > 0 the last TLI target layers (frozen, shared) run on o^ with the
+    target's cached K/V of verified tokens plus the drafter's own K/V of the drafted path, then the final norm and
+    LM head; TLI = 0 feeds o^ to the LM head directly.
+Training (Sec. 3.3, App. A.1): CA mask T-step bounded, the sequence cut into blocks of K ~ U{5..15} tokens whose
+queries see activations only before their block (what drafting K tokens after a verification sees); loss
+lambda0 KL(p_target || q) + lambda1 SmoothL1(o^, o) with lambda0 = 0.1, lambda1 = 1.0 (Table 6), where o is the
+target's activation at the same place (its last hidden state for TLI = 0, the residual input of layer L+1-TLI else;
+the features store both). During training the TLI layers see the true K/V before the block and the predicted K/V of
+the block's own earlier positions, as while drafting.
+Dimensions are Table 6's ratios scaled to the target (conf/drafter/moa.yaml): LSA width 2 E_kv with MLP 3x;
+SA with the target's heads, one K/V head, MLP E/8; CA with the target's head counts, MLP 1.75 E.
+Deviations: LSA adds a learned per-layer embedding (attention over layers is otherwise order-blind; the paper does
+not say); CA uses RoPE at both sides' positions (as our Beagle block).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from drafters.base import KV, TrainableDrafter
+from drafters.beagle import BeagleBlock
+from drafters.eagle import _mask, one_layer_decoder
+from drafters.trees import make_tree
+from specbench.types import DraftTree, TargetState, VerifyResult
+
+
+class LayerSelfAttention(nn.Module):
+    """[N, L, D] per-token stacks of per-layer (K, V) -> [N, D]: attention across layers, then the mean."""
+
+    def __init__(self, layers: int, dim: int, head_dim: int, mlp: int, norm: type, eps: float):
+        super().__init__()
+        self.heads = max(1, dim // head_dim)
+        if dim % self.heads:
+            raise ValueError(f"LSA width {dim} is not a multiple of lsa_head_dim={head_dim}")
+        self.in_norm, self.norm1, self.norm2 = norm(dim, eps=eps), norm(dim, eps=eps), norm(dim, eps=eps)
+        self.layer_emb = nn.Parameter(torch.zeros(layers, dim))
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.o = nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, mlp), nn.Linear(mlp, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, l, d = x.shape
+        x = self.in_norm(x) + self.layer_emb
+        q, k, v = self.qkv(self.norm1(x)).view(n, l, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, l, d))
+        x = x + self.down(F.silu(self.up(self.norm2(x))))
+        return x.mean(1)
+
+
+class MoAModule(nn.Module):
+    def __init__(self, target, tli: int, lsa_head_dim: int, lsa_mlp: int, sa_kv_heads: int, sa_mlp: int, ca_mlp: int):
+        super().__init__()
+        cfg = target.model.config
+        nh = cfg.num_attention_heads
+        nkv = getattr(cfg, "num_key_value_heads", None) or nh
+        dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+        self.tli, self.layers, self.kv_dim = tli, cfg.num_hidden_layers, 2 * nkv * dh
+        self.lsa = LayerSelfAttention(self.layers, self.kv_dim, lsa_head_dim, lsa_mlp, type(target.decoder.norm),
+                                      cfg.rms_norm_eps)
+        self.sa = one_layer_decoder(target, num_key_value_heads=sa_kv_heads, intermediate_size=sa_mlp)
+        self.ca = BeagleBlock(target, kv_dim=self.kv_dim, intermediate=ca_mlp)
+
+    def forward(self, emb: torch.Tensor, pos: torch.Tensor, sa_mask: torch.Tensor | None, lsa_in: torch.Tensor,
+                ca_allowed: torch.Tensor) -> torch.Tensor:
+        """Training: emb [B, T, H], pos [B, T], sa_mask (HF attention mask for SA), lsa_in [B, T, L, 2E_kv],
+        ca_allowed [B, 1, T, T] -> o^ [B, T, H]."""
+        b, t = emb.shape[:2]
+        states = self.lsa(lsa_in.reshape(b * t, self.layers, -1)).view(b, t, -1)
+        q = self.sa(inputs_embeds=emb, position_ids=pos, attention_mask=sa_mask).last_hidden_state
+        return self.ca(q, pos, ca_allowed, states=states, states_pos=pos)
+
+
+def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                 allowed: torch.Tensor):
+    """One frozen target decoder layer (Llama family) on new rows x [B, Q, H] at pos [B, Q], over cached K/V
+    [B, nkv, P, dh] and the rows' own; allowed [B, 1, Q, P+Q] bool -> (out [B, Q, H], K, V of the rows)."""
+    attn = layer.self_attn
+    b, n, _ = x.shape
+    dh = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(b, n, -1, dh).transpose(1, 2)
+    k = attn.k_proj(h).view(b, n, -1, dh).transpose(1, 2)
+    v = attn.v_proj(h).view(b, n, -1, dh).transpose(1, 2)
+    cos, sin = rotary(x, pos)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    keys, vals = torch.cat([past_k, k.to(past_k.dtype)], 2), torch.cat([past_v, v.to(past_v.dtype)], 2)
+    o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=allowed, scale=attn.scaling,
+                                       enable_gqa=q.shape[1] != keys.shape[1])
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+
+
+def bounded_starts(length: int, low: int, high: int, gen: torch.Generator | None, device) -> torch.Tensor:
+    """n(q) for every position: blocks of K ~ U{low..high} tokens tile positions 1..length-1; a query sees target
+    activations up to n(q) = (its block's first position) - 1. Position 0 gets -1 (nothing to see)."""
+    starts, s = torch.full((length,), -1, dtype=torch.long), 1
+    while s < length:
+        k = int(torch.randint(low, high + 1, (1,), generator=gen))
+        starts[s : s + k] = s - 1
+        s += k
+    return starts.to(device)
+
+
+class MoADrafter(TrainableDrafter):
+    name = "moa"
+    needs = frozenset({KV})
+    lambda_kl, lambda_reg = 0.1, 1.0  # Table 6
+
+    def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
+        self._bind(self.load_module(target, checkpoint, module), target)
+        self.policy = make_tree(**(tree or {"kind": "dynamic"}))
+
+    def _bind(self, net: MoAModule, target) -> None:
+        self.net = net
+        self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
+        self.final_norm, self.rotary = target.decoder.norm, target.decoder.rotary_emb
+        self.tli_layers = list(target.decoder.layers[len(target.decoder.layers) - net.tli :])  # frozen, shared
+        self.reset()
+
+    def reset(self) -> None:
+        self.ca_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # CA keys/values of verified activations
+        self.acts = 0  # verified tokens whose activations are in ca_kv (and in the TLI caches)
+        self.sa_cache: DynamicCache | None = None
+        self.sa_len = 0
+        self.tli_kv: list[list[torch.Tensor]] = []  # per TLI layer [K, V] [1, nkv, n, dh]
+
+    # ---- training side -------------------------------------------------------------------------------------------
+    @classmethod
+    def build_module(cls, target, tli: int = 0, lsa_head_dim: int = 64, lsa_mlp: int = 1152, sa_kv_heads: int = 1,
+                     sa_mlp: int = 72, ca_mlp: int = 1008, block_min: int = 5, block_max: int = 15) -> MoAModule:
+        if not 0 <= tli < target.model.config.num_hidden_layers:
+            raise ValueError(f"tli={tli} must be in [0, {target.model.config.num_hidden_layers})")
+        net = MoAModule(target, tli, lsa_head_dim, lsa_mlp, sa_kv_heads, sa_mlp, ca_mlp).to(target.device)
+        net.block_min, net.block_max = block_min, block_max
+        return net
+
+    @staticmethod
+    def _layer_kv(kv: torch.Tensor, layer: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features [B, T, L, 2 nkv dh] -> the layer's (K, V) [B, nkv, T, dh]."""
+        b, t = kv.shape[:2]
+        k, v = kv[:, :, layer].chunk(2, -1)
+        return k.reshape(b, t, nkv, -1).transpose(1, 2), v.reshape(b, t, nkv, -1).transpose(1, 2)
+
+    @classmethod
+    def predict(cls, net, target, ids, kv, pre_pad, starts):
+        """Teacher-forced T-step-bounded prediction: ids [B, T], kv [B, T, L, 2E_kv], pre_pad [B, T] (1 = real),
+        starts [T] = n(q) -> (o^ [B, T, H], logits [B, T, V])."""
+        b, t = ids.shape
+        dev = ids.device
+        idx = torch.arange(t, device=dev)
+        pos = idx[None].expand(b, -1)
+        real = pre_pad.bool()
+        ca_allowed = (idx[None, :] <= starts[:, None])[None] & real[:, None, :]
+        ca_allowed[:, :, 0] |= (starts < 0)[None]  # nothing to see: key 0, never trained
+        out = net(target.decoder.embed_tokens(ids), pos, pre_pad, kv, ca_allowed[:, None])
+        head = getattr(net, "module", net)
+        x = out
+        if head.tli:
+            nkv = target.decoder.layers[0].self_attn.k_proj.out_features // target.decoder.layers[0].self_attn.head_dim
+            first = len(target.decoder.layers) - head.tli
+            see_pred = (idx[None, :] > starts[:, None]) & (idx[None, :] <= idx[:, None])  # own block, up to itself
+            allowed = torch.cat([ca_allowed, see_pred[None].expand(b, -1, -1) & real[:, None, :]], -1)[:, None]
+            for i, layer in enumerate(target.decoder.layers[first:]):
+                k, v = cls._layer_kv(kv, first + i, nkv)
+                x, _, _ = target_layer(layer, target.decoder.rotary_emb, x, pos, k, v, allowed)
+        x = target.decoder.norm(x) if head.tli else x
+        return out, target.lm_head(x.to(target.dtype)).float()
+
+    @classmethod
+    def training_loss(cls, module, batch, target):
+        head = getattr(module, "module", module)
+        t = batch.input_ids.shape[1]
+        starts = bounded_starts(t, head.block_min, head.block_max, None, batch.input_ids.device)
+        out, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts)
+        rows = torch.zeros_like(batch.attn_mask, dtype=torch.bool)
+        rows[:, :-1] = batch.loss_mask[:, 1:].bool()  # the query at q predicts t_{q+1}
+        rows &= (starts >= 0)[None]
+        true = batch.hidden if head.tli == 0 else batch.pre[:, :, head.tli - 1]
+        with torch.no_grad():
+            p = target.lm_head(batch.hidden[rows].to(target.dtype)).float().softmax(-1)
+        logq = logits[rows].log_softmax(-1)
+        kl = (p * (p.clamp_min(1e-30).log() - logq)).sum(-1).mean()
+        reg = F.smooth_l1_loss(out[rows], true[rows], reduction="none").mean(-1).mean()
+        with torch.no_grad():
+            top1 = (logq.argmax(-1) == p.argmax(-1)).float().mean().item()
+        return cls.lambda_kl * kl + cls.lambda_reg * reg, {"kl": kl.item(), "reg": reg.item(), "top1": top1}
+
+    @classmethod
+    @torch.no_grad()
+    def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
+        """Greedy chains through the decoding path itself (the target's K/V recomputed for the prefix)."""
+        from specbench.target import cache_kv
+
+        d = cls.__new__(cls)  # the decoding path around the module being trained (no tree policy needed)
+        d._bind(module, target)
+        out = []
+        for t in positions:
+            d.prefill(None)
+            cache = target.new_cache()
+            target.forward(input_ids[None, :t], cache, logits_rows=slice(0, 0))
+            state = TargetState(tokens=input_ids[None, : t + 1], hidden=None, kv=cache_kv(cache))
+            row, toks = [], input_ids[None, : t + 1]
+            for _ in range(depth):  # a chain: the next row sees the same activations and the drafted tokens before it
+                nxt = d._root_logits(toks, state).argmax(-1).view(1, 1)
+                row.append(nxt[0, 0])
+                toks = torch.cat([toks, nxt], 1)
+            out.append(torch.stack(row))
+        return torch.stack(out)
+
+    # ---- decoding side -------------------------------------------------------------------------------------------
+    def prefill(self, state: TargetState | None) -> None:
+        self.reset()
+        self.sa_cache = DynamicCache(config=self.net.sa.config)
+
+    def _absorb(self, state: TargetState) -> None:
+        """LSA (+ CA keys) and TLI caches for the activations verified since the last cycle."""
+        n = state.kv[0][0].shape[2]
+        if n == self.acts:
+            return
+        new = slice(self.acts, n)
+        per_layer = [torch.cat([k[0, :, new].transpose(0, 1).flatten(1), v[0, :, new].transpose(0, 1).flatten(1)], -1)
+                     for k, v in state.kv]  # L x [m, 2E_kv]
+        wdt = self.net.ca.q_proj.weight.dtype
+        states = self.net.lsa(torch.stack(per_layer, 1).to(wdt))[None]  # [1, m, 2E_kv]
+        pos = torch.arange(self.acts, n, device=self.device)[None]
+        k, v = self.net.ca.keys(states, pos)
+        self.ca_kv = (k, v) if self.ca_kv is None else (torch.cat([self.ca_kv[0], k], 2), torch.cat([self.ca_kv[1], v], 2))
+        first = len(state.kv) - self.net.tli
+        for i in range(self.net.tli):
+            k, v = state.kv[first + i]
+            if len(self.tli_kv) <= i:
+                self.tli_kv.append([k[:, :, :n].clone(), v[:, :, :n].clone()])
+            else:
+                self.tli_kv[i] = [torch.cat([self.tli_kv[i][0], k[:, :, new]], 2),
+                                  torch.cat([self.tli_kv[i][1], v[:, :, new]], 2)]
+        self.acts = n
+
+    def _rows(self, tokens: list[int], pos: list[int], sa_rows: list[list[int]], tli_rows: list[list[int]]):
+        """Draft rows: SA over the tree (sa_rows: SA cache slots each row sees besides the verified tokens, itself
+        included), CA over verified activations, TLI layers (tli_rows: own slots besides the verified ones) -> logits."""
+        wdt = self.net.ca.q_proj.weight.dtype
+        p = torch.tensor([pos], device=self.device)
+        first = self.sa_cache.get_seq_length()
+        mask = _mask(self.sa_len, sa_rows, first + len(tokens), wdt, self.device)
+        q = self.net.sa(inputs_embeds=self.embed(torch.tensor([tokens], device=self.device)).to(wdt),
+                        past_key_values=self.sa_cache, position_ids=p, attention_mask=mask,
+                        use_cache=True).last_hidden_state
+        ca_allowed = torch.ones(1, 1, len(tokens), self.acts, dtype=torch.bool, device=self.device)
+        x = self.net.ca(q, p, ca_allowed, kv=self.ca_kv)
+        if self.net.tli:
+            total = self.tli_kv[0][0].shape[2] + len(tokens)
+            allowed = torch.zeros(1, 1, len(tokens), total, dtype=torch.bool, device=self.device)
+            allowed[..., : self.acts] = True
+            for r, cols in enumerate(tli_rows):
+                allowed[0, 0, r, cols] = True
+            for i, layer in enumerate(self.tli_layers):
+                kc, vc = self.tli_kv[i]
+                x, k, v = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, allowed)
+                self.tli_kv[i] = [torch.cat([kc, k], 2), torch.cat([vc, v], 2)]
+            x = self.final_norm(x)
+        return self.lm_head(x.to(self.lm_head.weight.dtype))[0]
+
+    def _root_logits(self, toks: torch.Tensor, state: TargetState) -> torch.Tensor:
+        """Absorb new activations, run SA over the new verified tokens (the root last), draft the root's row."""
+        self._absorb(state)
+        n = toks.shape[1]
+        wdt = self.net.ca.q_proj.weight.dtype
+        new = toks[:, self.sa_len : n - 1]
+        if new.shape[1]:
+            self.net.sa(inputs_embeds=self.embed(new).to(wdt), past_key_values=self.sa_cache,
+                        position_ids=torch.arange(self.sa_len, n - 1, device=self.device)[None], use_cache=True)
+            self.sa_len = n - 1
+        # the root's TLI slot; in validation chains earlier drafted tokens stay in the TLI caches and are seen too
+        own = list(range(self.acts, (self.tli_kv[0][0].shape[2] if self.net.tli else self.acts) + 1))
+        logits = self._rows([int(toks[0, -1])], [n - 1], [[self.sa_len]], [own])[0]
+        self.sa_len = n  # the root is a verified token: its SA entry stays
+        return logits
+
+    def crop(self) -> None:
+        """Drop drafted entries: SA keeps the verified tokens (root included), TLI the verified activations."""
+        extra = self.sa_cache.get_seq_length() - self.sa_len
+        if extra > 0:
+            self.sa_cache.crop(-extra)
+        self.tli_kv = [[k[:, :, : self.acts], v[:, :, : self.acts]] for k, v in self.tli_kv]
+
+    @torch.inference_mode()
+    def propose(self, state: TargetState) -> DraftTree:
+        toks = state.tokens
+        root_logits = self._root_logits(toks, state)
+        root_pos = toks.shape[1] - 1
+        sa_slot: dict[int, int] = {}
+        tli_slot: dict[int, int] = {-1: self.acts}
+        parent_of: dict[int, int] = {}
+        depth: dict[int, int] = {-1: 0}
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            sa_first = self.sa_cache.get_seq_length()
+            tli_first = self.tli_kv[0][0].shape[2] if self.net.tli else 0
+            sa_rows, tli_rows = [], []
+            for j, (node, par) in enumerate(zip(nodes, parents)):
+                parent_of[node], depth[node] = par, depth[par] + 1
+                sa_slot[node], tli_slot[node] = sa_first + j, tli_first + j
+                chain, a = [], node
+                while a >= 0:
+                    chain.append(a)
+                    a = parent_of[a]
+                sa_rows.append([sa_slot[c] for c in chain])
+                tli_rows.append([tli_slot[c] for c in chain] + [tli_slot[-1]])
+            return self._rows(tokens, [root_pos + depth[v] for v in nodes], sa_rows, tli_rows)
+
+        grown = self.policy.grow(root_logits, expand)
+        self.crop()
+        return DraftTree(tokens=torch.tensor([grown.tokens], device=self.device),
+                         parents=torch.tensor([grown.parents], device=self.device))
+
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        pass  # everything the next cycle needs is read from state.kv / state.tokens in propose
