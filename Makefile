@@ -3,15 +3,13 @@ PY       ?= python3
 VENV     ?= .venv
 BIN      := $(VENV)/bin
 MODEL    ?= smollm2-135m
-LIMIT    ?= 3
-MAX_NEW  ?= 64
-EXPERIMENT ?= bench
-DRAFTERS ?= none,pld,sd,medusa,eagle,eagle2
-DATASETS ?= mtbench,gsm8k,cnndm
+EXPERIMENT ?= beagle_table1
+PRESET   ?= cpu
+ARGS     ?=
 PERF_ARGS ?=
 
 TRAIN    ?= embedded
-TRAIN_DRAFTERS ?= sd medusa eagle
+TRAIN_DRAFTERS ?= sd medusa eagle hass coral coral_router beagle moa moa_tli1
 
 .PHONY: setup test test-fast bench perf train trainmem figures
 
@@ -30,11 +28,18 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# The main job: every drafter x question set on MODEL (the embedded SmolLM2 on the CPU by default);
-# the baseline (drafter=none) runs first in the same job. GPU: make bench MODEL=llama2-7b LIMIT=80 MAX_NEW=1024
+# The main job: an experiment (conf/experiment/$(EXPERIMENT).yaml, a Hydra sweep) on MODEL with a preset
+# (conf/preset/: cpu = the embedded default on 2 cores, paper = full sets for a GPU); the baseline (drafter=none) runs
+# first in every job; re-running skips finished runs and resumes a killed one. Then the tables and figures.
+#   make bench                                   every drafter x MT-Bench/GSM8K/CNN-DM on the embedded SmolLM2 (CPU)
+#   make bench MODEL=llama2-7b PRESET=paper      the same on a GPU;  ARGS='drafter=none,eagle2' narrows the sweep
 bench: setup
-	$(BIN)/python -m specbench.run -m model=$(MODEL) drafter=$(DRAFTERS) dataset=$(DATASETS) \
-		dataset.limit=$(LIMIT) decoding.max_new_tokens=$(MAX_NEW) out.experiment=$(EXPERIMENT)
+	$(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=$(EXPERIMENT) +preset=$(PRESET) $(ARGS)
+	$(BIN)/python -m specbench.report
+
+# Every table and figure from results/ alone (specbench/report.py).
+figures: setup
+	$(BIN)/python -m specbench.report
 
 # Our engine vs transformers' assisted generation / prompt lookup on the same prompts, in one process.
 perf: setup
@@ -53,4 +58,5 @@ train: setup
 		rm -rf weights/$(MODEL)/$$d; mkdir -p weights/$(MODEL); \
 		cp -r checkpoints/$(MODEL)/$$d/final weights/$(MODEL)/$$d; \
 		cp checkpoints/$(MODEL)/$$d/log.jsonl weights/$(MODEL)/$$d/log.jsonl; \
+		mkdir -p results/training/$(MODEL)/$$d; cp checkpoints/$(MODEL)/$$d/log.jsonl results/training/$(MODEL)/$$d/; \
 	done

@@ -1,0 +1,238 @@
+"""`make figures` (`python -m specbench.report`): every paper table and figure, from the records in results/ only.
+
+For each experiment directory results/<experiment>/ that holds runs, the tables its experiment defines (TABLES):
+markdown and LaTeX with the paper's rows and columns, our numbers, and the device and commit(s) of the runs in the
+caption; runs that do not exist are shown as "–" (never as zeros). Figures (matplotlib, PNG) for the training
+curves (results/training/), the Leviathan speedup-vs-alpha curves with our measured chain points, the draft / verify
+cost decomposition and the training-memory-vs-steps result (results/trainmem/). Output is deterministic: running it
+twice gives byte-identical files (sorted inputs, fixed formats, PNGs without timestamps).
+    python -m specbench.report [--results results]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from specbench.metrics import leviathan_improvement  # noqa: E402
+
+MISSING = "–"
+PNG_META = {"Software": None}  # no version/time stamps: byte-identical re-runs
+
+
+@dataclass(frozen=True)
+class Table:
+    """Rows = drafters, column groups = datasets x temperatures, metrics per group (the paper's layout)."""
+
+    name: str
+    caption: str
+    drafters: tuple[str, ...]
+    datasets: tuple[str, ...]
+    metrics: tuple[str, ...]  # keys of METRICS
+    temperatures: tuple[float, ...] = (0.0,)
+
+
+# metric -> (column title, how to read it from a summary, format)
+METRICS = {
+    "speed": ("Speed", lambda s: s["tokens_per_s"]["mean"], "{:.1f}"),
+    "spu": ("Spu", lambda s: (s.get("speedup") or {}).get("mean"), "{:.2f}x"),
+    "tau": ("τ", lambda s: s["tau_micro"], "{:.2f}"),
+    "mem": ("M (GiB)", lambda s: s["peak_mem_bytes"] / 2**30 if s.get("peak_mem_bytes") else None, "{:.2f}"),
+    **{f"a{i}": (f"{i}-α", (lambda i: lambda s: _at(s.get("alpha"), i))(i), "{:.2f}") for i in range(5)},
+}
+
+TABLES = {
+    "beagle_table1": [Table("table1", "Speed (tokens/s), speedup, τ and peak memory at T=0 (papers/000 Table 1)",
+                            ("none", "pld", "sd", "medusa", "eagle", "eagle2", "hass", "coral", "coral_router", "beagle",
+                             "moa", "moa_tli1"),
+                            ("mtbench", "gsm8k", "cnndm"), ("speed", "spu", "tau", "mem"))],
+    "eagle_alpha": [Table("alpha", "Chain drafting: τ and n-α (papers/004 Tables 1-2)", ("eagle", "sd", "pld"),
+                          ("mtbench", "gsm8k"), ("tau", "a0", "a1", "a2", "a3", "a4"), (0.0, 1.0))],
+    "coral_table2": [Table("table2", "τ / speedup (papers/003 Table 2)",
+                           ("eagle", "eagle2", "hass", "coral", "coral_router"), ("mtbench", "humaneval", "gsm8k"),
+                           ("tau", "spu"), (0.0, 1.0))],
+    "moa_table2": [Table("table2", "Speedup and τ on the Spec-Bench categories (papers/002 Table 2)",
+                         ("eagle2", "moa", "moa_tli1", "sd"),
+                         ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"))],
+}
+
+
+def _at(xs, i):
+    return xs[i] if xs and i < len(xs) else None
+
+
+def load_runs(exp_dir: Path) -> dict[tuple[str, str, float], dict]:
+    """(drafter, dataset, temperature) -> summary + header, from every finished run of the experiment."""
+    runs = {}
+    for run in sorted(exp_dir.glob("*/summary.json")):
+        s = json.loads(run.read_text())
+        head = json.loads((run.parent / "run.json").read_text())
+        runs[(s["drafter"], s["dataset"], float(s["temperature"]))] = {**s, "_head": head}
+    return runs
+
+
+def provenance(runs: list[dict]) -> str:
+    devices = sorted({r["_head"]["env"].get("gpu") or r["_head"]["env"].get("cpu") or "?" for r in runs})
+    commits = sorted({(r["_head"]["git"].get("commit") or "?")[:7] for r in runs})
+    return f"device: {', '.join(devices)}; commit(s): {', '.join(commits)}"
+
+
+def cell(summary: dict | None, metric: str) -> str:
+    if summary is None:
+        return MISSING
+    if metric == "spu" and summary["drafter"] == "none":
+        return "1.00x"  # the baseline, by definition
+    _, read, fmt = METRICS[metric]
+    try:
+        v = read(summary)
+    except (KeyError, TypeError):
+        v = None
+    return MISSING if v is None else fmt.format(v)
+
+
+def render(table: Table, runs: dict) -> tuple[str, str]:
+    groups = [(d, t) for d in table.datasets for t in table.temperatures]
+    label = (lambda d, t: d if len(table.temperatures) == 1 else f"{d} T={t:g}")
+    head = ["method"] + [f"{label(d, t)} {METRICS[m][0]}" for d, t in groups for m in table.metrics]
+    rows = [[name] + [cell(runs.get((name, d, t)), m) for d, t in groups for m in table.metrics]
+            for name in table.drafters]
+    used = [runs[k] for k in sorted(runs) if k[0] in table.drafters and k[1] in table.datasets]
+    caption = f"{table.caption}. {provenance(used) if used else 'no runs yet'}."
+    md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    md += ["| " + " | ".join(r) + " |" for r in rows]
+    esc = lambda x: x.replace("_", r"\_").replace("τ", r"$\tau$").replace("α", r"$\alpha$").replace(MISSING, "--")
+    tex = [r"\begin{table}[t]", r"\centering", r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}", r"\toprule",
+           " & ".join(esc(h) for h in head) + r" \\", r"\midrule"]
+    tex += [" & ".join(esc(c) for c in r) + r" \\" for r in rows]
+    tex += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{esc(caption)}}}", r"\end{table}"]
+    return "\n".join(md) + "\n", "\n".join(tex) + "\n"
+
+
+def save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=110, metadata=PNG_META)
+    plt.close(fig)
+
+
+def figure_leviathan(runs: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [i / 100 for i in range(1, 100)]
+    for gamma, c in [(1, 0.05), (3, 0.05), (5, 0.05), (3, 0.3), (5, 0.3)]:
+        ax.plot(xs, [leviathan_improvement(a, gamma, c) for a in xs], lw=1, label=f"γ={gamma}, c={c}")
+    for (drafter, dataset, temp), s in sorted(runs.items()):
+        lev = s.get("leviathan")  # chain runs only (specbench.metrics)
+        if lev and lev["measured_speedup"] is not None:
+            ax.scatter([lev["alpha"]], [lev["measured_speedup"]], marker="o", zorder=3)
+            ax.annotate(f"{drafter}/{dataset}/T{temp:g} (γ={lev['gamma']:.1f}, c={lev['c']:.2f})",
+                        (lev["alpha"], lev["measured_speedup"]), fontsize=6)
+    ax.axhline(1, color="grey", lw=0.5)
+    ax.set_xlabel("α (mean acceptance)"), ax.set_ylabel("speedup")
+    ax.set_title("Leviathan et al. speedup vs α; points: our chain runs (measured)")
+    ax.legend(fontsize=6)
+    save(fig, out / "leviathan.png")
+
+
+def figure_cost(runs: dict, out: Path, dataset: str) -> None:
+    items = [(d, s) for (d, ds, t), s in sorted(runs.items()) if ds == dataset and t == 0 and s.get("steps")]
+    if not items:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [d for d, _ in items]
+    draft = [s["draft_ms_per_step"] for _, s in items]
+    verify = [s["verify_ms_per_step"] for _, s in items]
+    ax.bar(names, draft, label="draft ms/step")
+    ax.bar(names, verify, bottom=draft, label="verify ms/step")
+    ax.set_ylabel("ms per SD iteration"), ax.set_title(f"Cost decomposition on {dataset} (papers/000 Fig. 11)")
+    ax.legend(fontsize=7)
+    plt.setp(ax.get_xticklabels(), rotation=30, fontsize=7)
+    fig.tight_layout()
+    save(fig, out / f"cost_{dataset}.png")
+
+
+def training_curves(root: Path, out: Path) -> None:
+    logs = sorted(root.glob("*/*/log.jsonl"))
+    if not logs:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    lines = ["| model | drafter | epoch | sim τ | " + " | ".join(f"{i}-α" for i in range(5)) + " |", "|" + "---|" * 9]
+    for log in logs:
+        vals = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("kind") == "val"]
+        if not vals:
+            continue
+        model, drafter = log.parent.parent.name, log.parent.name
+        epochs = [r["epoch"] + 1 for r in vals]
+        axes[0].plot(epochs, [r["sim_tau"] for r in vals], marker="o", label=drafter)
+        axes[1].plot(range(1, len(vals[-1]["alpha"]) + 1), vals[-1]["alpha"], marker="o", label=drafter)
+        for r in vals:
+            lines.append(f"| {model} | {drafter} | {r['epoch'] + 1} | {r['sim_tau']:.3f} | "
+                         + " | ".join(f"{a:.3f}" for a in r["alpha"][:5]) + " |")
+    axes[0].set_xlabel("epoch"), axes[0].set_ylabel("validation simulated τ"), axes[0].legend(fontsize=7)
+    axes[1].set_xlabel("draft position n"), axes[1].set_ylabel("acceptance (last epoch)"), axes[1].legend(fontsize=7)
+    fig.suptitle("Training efficiency: per-position acceptance (papers/000 Fig. 3-5, papers/003 Fig. 6)")
+    fig.tight_layout()
+    save(fig, out / "training_curves.png")
+    (out / "training.md").write_text("**Per-epoch validation (chain, own predictions)**\n\n" + "\n".join(lines) + "\n")
+
+
+def trainmem(root: Path) -> None:
+    for f in sorted(root.glob("*/trainmem.json")):
+        data = json.loads(f.read_text())
+        rows = data["rows"]
+        dev = data["env"].get("gpu") or data["env"].get("cpu")
+        md = [f"**Training memory vs simulated steps s (batch {rows[0]['tokens']} tokens). device: {dev}; commit "
+              f"{(data['git'].get('commit') or '?')[:7]}.**", "",
+              "| method | s | peak MiB | over base MiB | autograd graph MiB | s/step |", "|---|---|---|---|---|---|"]
+        md += [f"| {r['method']} | {r['steps']} | {r['peak_bytes'] / 2**20:.0f} | "
+               f"{(r['peak_bytes'] - r['base_bytes']) / 2**20:.0f} | {r['graph_bytes'] / 2**20:.1f} | {r['step_s']:.2f} |"
+               for r in rows]
+        (f.parent / "trainmem.md").write_text("\n".join(md) + "\n")
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        for method in sorted({r["method"] for r in rows}):
+            pts = sorted((r["steps"], r) for r in rows if r["method"] == method)
+            axes[0].plot([s for s, _ in pts], [r["graph_bytes"] / 2**20 for _, r in pts], marker="o", label=method)
+            axes[1].plot([s for s, _ in pts], [r["step_s"] for _, r in pts], marker="o", label=method)
+        axes[0].set_xlabel("simulated steps s"), axes[0].set_ylabel("autograd graph MiB"), axes[0].legend()
+        axes[1].set_xlabel("simulated steps s"), axes[1].set_ylabel("s / training step"), axes[1].legend()
+        fig.tight_layout()
+        save(fig, f.parent / "trainmem.png")
+
+
+def report(results: Path) -> list[Path]:
+    written = []
+    for exp, tables in sorted(TABLES.items()):
+        exp_dir = results / exp
+        if not exp_dir.is_dir():
+            continue
+        runs = load_runs(exp_dir)
+        for table in tables:
+            md, tex = render(table, runs)
+            for suffix, text in ((".md", md), (".tex", tex)):
+                path = exp_dir / f"{table.name}{suffix}"
+                path.write_text(text)
+                written.append(path)
+        if exp == "eagle_alpha":
+            figure_leviathan(runs, exp_dir)
+        if exp == "beagle_table1":
+            for ds in ("mtbench", "gsm8k", "cnndm"):
+                figure_cost(runs, exp_dir, ds)
+    training_curves(results / "training", results / "training")
+    trainmem(results / "trainmem")
+    return written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default="results", type=Path)
+    args = ap.parse_args()
+    for p in report(args.results):
+        print(f"written: {p}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Experiments as Hydra sweeps (resumable, never mixing configs) and `make figures` from results/ alone."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from specbench.records import read_jsonl
+from specbench.report import Table, load_runs, render, report
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sweep(tmp_path, tiny_checkpoint, question_file):
+    args = [sys.executable, "-m", "specbench.run", "-m", "+experiment=eagle_alpha", "+preset=cpu",
+            f"model.path={tiny_checkpoint}", "model.name=tiny", "dataset=jsonl", f"dataset.path={question_file}",
+            "drafter=none,pld", "decoding.temperature=0.0", "decoding.max_new_tokens=16", "bench.warmup=0",
+            f"out.root={tmp_path / 'results'}"]
+    res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    return sorted((tmp_path / "results" / "eagle_alpha").glob("*/records.jsonl"))
+
+
+def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp_path, tiny_checkpoint, question_file):
+    runs = sweep(tmp_path, tiny_checkpoint, question_file)
+    assert [p.parent.name.split("__")[1] for p in runs] == ["none", "pld"]
+    full = {p: read_jsonl(p) for p in runs}
+    pld = runs[1]  # "kill" the sweep inside the pld run: the first question written (one append), no summary
+    first_q = [r for r in full[pld] if r["question_id"] == full[pld][0]["question_id"]]
+    pld.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in first_q))
+    (pld.parent / "summary.json").unlink()
+    assert sweep(tmp_path, tiny_checkpoint, question_file) == runs  # same runs, none added
+    for p in runs:
+        keys = [(r["repeat"], r["question_id"], r["turn"]) for r in read_jsonl(p)]
+        assert len(keys) == len(set(keys)) == len(full[p])
+    results = tmp_path / "results"
+    written = report(results)
+    table = (results / "eagle_alpha" / "alpha.md").read_text()
+    # the tiny runs use dataset "jsonl", not the paper's sets: every cell of the paper's table is missing, not zero
+    assert "no runs yet" in table and "| pld | – |" in table and "0.00" not in table
+    md, tex = render(Table("t", "c", ("none", "pld", "eagle"), ("jsonl",), ("tau", "a0")),
+                     load_runs(results / "eagle_alpha"))
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert "device:" in md and "commit(s):" in md and r"\toprule" in tex
+    assert rows["none"].startswith("| none | 1.00 |") and rows["eagle"] == "| eagle | – | – |"
+    assert float(rows["pld"].split(" | ")[1]) > 1.0
+    first = {p: p.read_bytes() for p in written}
+    report(results)
+    assert {p: p.read_bytes() for p in written} == first
