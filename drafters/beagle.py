@@ -107,7 +107,6 @@ def simulated_steps(module, emb: torch.Tensor, states: torch.Tensor, real: torch
     n+1 .. min(n+i-1, q-1) of its own window, kept in a second buffer of T keys (detached). Step 1 = the early stage.
     emb [B, T, H] token embeddings, states [B, T, H] true (noised) states, real [B, T] bool, start [T] = n(q);
     trained[i-1] False runs step i without autograd (no loss there: it only fills the buffer)."""
-    block = getattr(module, "module", module)
     b, t, _ = emb.shape
     idx = torch.arange(t, device=emb.device)
     pos = idx[None].expand(b, -1)

@@ -59,3 +59,9 @@ def device_info(device: torch.device) -> dict[str, str | int | None]:
 
 def now_utc() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def header(command: str, device: torch.device) -> dict:
+    """The provenance every result file carries: commit, date, command line, device, versions."""
+    return {"git": git_commit(), "date": now_utc(), "command": " ".join([command, *sys.argv[1:]]),
+            "env": device_info(device), "versions": versions()}

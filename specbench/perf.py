@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -144,9 +143,7 @@ def _main(cfg: DictConfig) -> None:
     name = f"{cfg.model.name}__perf__{config_hash(OmegaConf.to_container(cfg, resolve=True))}"
     out = Path(cfg.out.root) / cfg.out.experiment / name / "perf.json"
     atomic_write_json(out, {"report": report, "config": OmegaConf.to_container(cfg, resolve=True),
-                            "git": envinfo.git_commit(), "date": envinfo.now_utc(),
-                            "command": " ".join(["specbench.perf", *sys.argv[1:]]),
-                            "env": envinfo.device_info(pick_device(cfg.model.device)), "versions": envinfo.versions()})
+                            **envinfo.header("specbench.perf", pick_device(cfg.model.device))})
     print(f"written: {out}")
 
 

@@ -122,9 +122,9 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     root = Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{target_fingerprint(target)}" / tag
     if rank == 0:
-        try:
-            train_set = FeatureSet.open(root / "train")
-            val_set = FeatureSet.open(root / "val")
+        try:  # complete already?
+            FeatureSet.open(root / "train")
+            FeatureSet.open(root / "val")
         except SpecbenchError:
             path = Path(cfg.data_path).expanduser() if cfg.data_path else None
             train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)

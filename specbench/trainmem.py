@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -145,9 +144,8 @@ def _main(cfg: DictConfig) -> None:
     print_table(rows)
     conf = OmegaConf.to_container(cfg, resolve=True)
     out = Path(cfg.out.root) / cfg.out.experiment / f"{cfg.model.name}__trainmem__{config_hash(conf)}" / "trainmem.json"
-    atomic_write_json(out, {"rows": rows, "config": conf, "git": envinfo.git_commit(), "date": envinfo.now_utc(),
-                            "command": " ".join(["specbench.trainmem", *sys.argv[1:]]),
-                            "env": envinfo.device_info(pick_device(cfg.model.device)), "versions": envinfo.versions()})
+    atomic_write_json(out, {"rows": rows, "config": conf,
+                            **envinfo.header("specbench.trainmem", pick_device(cfg.model.device))})
     print(f"written: {out}")
 
 
