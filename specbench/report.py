@@ -44,19 +44,32 @@ METRICS = {
     "spu": ("Spu", lambda s: (s.get("speedup") or {}).get("mean"), "{:.2f}x"),
     "tau": ("τ", lambda s: s["tau_micro"], "{:.2f}"),
     "mem": ("M (GiB)", lambda s: s["peak_mem_bytes"] / 2**30 if s.get("peak_mem_bytes") else None, "{:.2f}"),
+    "draft_ms": ("Td ms/step", lambda s: s["draft_ms_per_step"], "{:.1f}"),
+    "verify_ms": ("Tv ms/step", lambda s: s["verify_ms_per_step"], "{:.1f}"),
     **{f"a{i}": (f"{i}-α", (lambda i: lambda s: _at(s.get("alpha"), i))(i), "{:.2f}") for i in range(5)},
 }
+
+
+
+def router_table(*datasets: str) -> Table:
+    """CORAL's LM-head router (papers/003 Sec. 3.3): the same frozen head and tree with and without the router, so the
+    draft time per SD iteration (Td) differs only by the LM head; verify time (Tv) is the control."""
+    return Table("router", "Draft latency of the CORAL LM-head router: Td / Tv = draft / verify ms per SD iteration "
+                 "(papers/003 Sec. 3.3)", ("coral", "coral_router"), datasets, ("draft_ms", "verify_ms", "tau"))
+
 
 TABLES = {
     "beagle_table1": [Table("table1", "Speed (tokens/s), speedup, τ and peak memory at T=0 (papers/000 Table 1)",
                             ("none", "pld", "sd", "medusa", "eagle", "eagle2", "hass", "coral", "coral_router", "beagle",
                              "moa", "moa_tli1"),
-                            ("mtbench", "gsm8k", "cnndm"), ("speed", "spu", "tau", "mem"))],
+                            ("mtbench", "gsm8k", "cnndm"), ("speed", "spu", "tau", "mem")),
+                      router_table("mtbench", "gsm8k", "cnndm")],
     "eagle_alpha": [Table("alpha", "Chain drafting: τ and n-α (papers/004 Tables 1-2)", ("eagle", "sd", "pld"),
                           ("mtbench", "gsm8k"), ("tau", "a0", "a1", "a2", "a3", "a4"), (0.0, 1.0))],
     "coral_table2": [Table("table2", "τ / speedup (papers/003 Table 2)",
                            ("eagle", "eagle2", "hass", "coral", "coral_router"), ("mtbench", "humaneval", "gsm8k"),
-                           ("tau", "spu"), (0.0, 1.0))],
+                           ("tau", "spu"), (0.0, 1.0)),
+                     router_table("mtbench", "humaneval", "gsm8k")],
     "moa_table2": [Table("table2", "Speedup and τ on the Spec-Bench categories (papers/002 Table 2)",
                          ("eagle2", "moa", "moa_tli1", "sd"),
                          ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"))],

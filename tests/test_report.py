@@ -45,6 +45,9 @@ def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp
     assert "device:" in md and "commit(s):" in md and r"\toprule" in tex
     assert rows["none"].startswith("| none | 1.00 |") and rows["eagle"] == "| eagle | – | – |"
     assert float(rows["pld"].split(" | ")[1]) > 1.0
+    md, _ = render(Table("t", "c", ("none", "pld"), ("jsonl",), ("draft_ms", "verify_ms")), load_runs(results / "eagle_alpha"))
+    pld_row = next(line for line in md.splitlines() if line.startswith("| pld |")).split(" | ")
+    assert float(pld_row[1]) >= 0.0 and float(pld_row[2].rstrip(" |")) > 0.0  # Td, Tv read from the records
     first = {p: p.read_bytes() for p in written}
     report(results)
     assert {p: p.read_bytes() for p in written} == first
