@@ -36,6 +36,7 @@ class Table:
     datasets: tuple[str, ...]
     metrics: tuple[str, ...]  # keys of METRICS
     temperatures: tuple[float, ...] = (0.0,)
+    mean: bool = False  # add the paper's Mean/Average column group (mean over the datasets)
 
 
 # metric -> (column title, how to read it from a summary, format)
@@ -68,11 +69,11 @@ TABLES = {
                           ("mtbench", "gsm8k"), ("tau", "a0", "a1", "a2", "a3", "a4"), (0.0, 1.0))],
     "coral_table2": [Table("table2", "τ / speedup (papers/003 Table 2)",
                            ("eagle", "eagle2", "hass", "coral", "coral_router"), ("mtbench", "humaneval", "gsm8k"),
-                           ("tau", "spu"), (0.0, 1.0)),
+                           ("tau", "spu"), (0.0, 1.0), mean=True),
                      router_table("mtbench", "humaneval", "gsm8k")],
     "moa_table2": [Table("table2", "Speedup and τ on the Spec-Bench categories (papers/002 Table 2)",
                          ("eagle2", "moa", "moa_tli1", "sd"),
-                         ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"))],
+                         ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"), mean=True)],
 }
 
 
@@ -96,17 +97,26 @@ def provenance(runs: list[dict]) -> str:
     return f"device: {', '.join(devices)}; commit(s): {', '.join(commits)}"
 
 
-def cell(summary: dict | None, metric: str) -> str:
+def value(summary: dict | None, metric: str) -> float | None:
     if summary is None:
-        return MISSING
+        return None
     if metric == "spu" and summary["drafter"] == "none":
-        return "1.00x"  # the baseline, by definition
-    _, read, fmt = METRICS[metric]
+        return 1.0  # the baseline, by definition
     try:
-        v = read(summary)
+        return METRICS[metric][1](summary)
     except (KeyError, TypeError):
-        v = None
-    return MISSING if v is None else fmt.format(v)
+        return None
+
+
+def cell(summary: dict | None, metric: str) -> str:
+    v = value(summary, metric)
+    return MISSING if v is None else METRICS[metric][2].format(v)
+
+
+def mean_cell(summaries: list[dict | None], metric: str) -> str:
+    """The paper's Mean/Average column: the plain mean over the datasets, missing unless every dataset has a value."""
+    vs = [value(s, metric) for s in summaries]
+    return MISSING if not vs or None in vs else METRICS[metric][2].format(sum(vs) / len(vs))
 
 
 def render(table: Table, runs: dict) -> tuple[str, str]:
@@ -115,6 +125,11 @@ def render(table: Table, runs: dict) -> tuple[str, str]:
     head = ["method"] + [f"{label(d, t)} {METRICS[m][0]}" for d, t in groups for m in table.metrics]
     rows = [[name] + [cell(runs.get((name, d, t)), m) for d, t in groups for m in table.metrics]
             for name in table.drafters]
+    if table.mean:
+        head += [f"{label('mean', t)} {METRICS[m][0]}" for t in table.temperatures for m in table.metrics]
+        for name, row in zip(table.drafters, rows):
+            row += [mean_cell([runs.get((name, d, t)) for d in table.datasets], m)
+                    for t in table.temperatures for m in table.metrics]
     used = [runs[k] for k in sorted(runs) if k[0] in table.drafters and k[1] in table.datasets]
     caption = f"{table.caption}. {provenance(used) if used else 'no runs yet'}."
     md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -48,6 +48,12 @@ def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp
     md, _ = render(Table("t", "c", ("none", "pld"), ("jsonl",), ("draft_ms", "verify_ms")), load_runs(results / "eagle_alpha"))
     pld_row = next(line for line in md.splitlines() if line.startswith("| pld |")).split(" | ")
     assert float(pld_row[1]) >= 0.0 and float(pld_row[2].rstrip(" |")) > 0.0  # Td, Tv read from the records
+    # the paper's Mean column: the mean over the datasets, and missing (not a partial mean) when a dataset is missing
+    md, _ = render(Table("t", "c", ("pld",), ("jsonl",), ("tau",), mean=True), load_runs(results / "eagle_alpha"))
+    cells = next(line for line in md.splitlines() if line.startswith("| pld |")).strip("| ").split(" | ")
+    assert "mean τ" in md and cells[1] == cells[2] != "–"
+    md, _ = render(Table("t", "c", ("pld",), ("jsonl", "gsm8k"), ("tau",), mean=True), load_runs(results / "eagle_alpha"))
+    assert next(line for line in md.splitlines() if line.startswith("| pld |")).endswith("| – | – |")
     first = {p: p.read_bytes() for p in written}
     report(results)
     assert {p: p.read_bytes() for p in written} == first
