@@ -51,7 +51,6 @@ METRICS = {
 }
 
 
-
 def router_table(*datasets: str) -> Table:
     """CORAL's LM-head router (papers/003 Sec. 3.3): the same frozen head and tree with and without the router, so the
     draft time per SD iteration (Td) differs only by the LM head; verify time (Tv) is the control."""
