@@ -112,6 +112,13 @@ class TrainableDrafter(Drafter):
         yield cls.training_loss(module, batch, target)
 
     @classmethod
+    def validation_extras(cls, module, val, target) -> dict:
+        """Method-specific numbers measured on the validation FeatureSet `val` after each epoch, logged with the
+        epoch's row and kept in the checkpoint's metrics (Medusa: its heads' top-k accuracies, for its tree)."""
+        del module, val, target
+        return {}
+
+    @classmethod
     @abstractmethod
     def chain_predict(cls, module, input_ids, hidden, positions, depth: int, target) -> "torch.Tensor":
         """Greedy chain drafting on the drafter's own predictions, for validation: for each root position t in

@@ -11,17 +11,22 @@ Medusa head would be 28M parameters each on the embedded target); only the W1_k 
 
 Decoding: in our engine the root x_t has not been through the target yet, so the heads read h_{t-1} (the last
 hidden state the engine handed over), whose head k predicts x_{t+k}, i.e. tree depth k. Candidates form a sparse
-static tree of top-index paths (`tree`, as Medusa's sparse trees); they are deterministic (q = None), so verification
-is lossless at any temperature. Medusa's typical acceptance (lossy) is not offered.
+static tree of top-index paths (`tree`, as Medusa's sparse trees), or with `tree: auto` the sparse tree of `tree_nodes`
+nodes chosen from the heads' top-k accuracies that validation measured on held-out target answers (Medusa's
+"optimized sparse tree", drafters/trees.py: paths_from_accuracies). Candidates are deterministic (q = None), so
+verification is lossless at any temperature. Medusa's typical acceptance (lossy) is not offered.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import HIDDEN, TrainableDrafter
-from drafters.trees import sorted_paths
+from drafters.trees import paths_from_accuracies, sorted_paths
+from specbench.checkpoints import read_meta
 from specbench.errors import SpecbenchError
 from specbench.types import DraftTree, TargetState, VerifyResult
 
@@ -43,11 +48,17 @@ class MedusaDrafter(TrainableDrafter):
     name = "medusa"
     needs = frozenset({HIDDEN})
 
+    ACC_RANKS = 10  # ranks per head whose accuracy validation measures (the widest tree `auto` can build)
+
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None,
-                 tree: list[list[int]] | None = None):
+                 tree: list[list[int]] | str | None = None, tree_nodes: int = 19):
         self.heads = self.load_module(target, checkpoint, module)
         self.lm_head = target.lm_head  # the target's frozen LM head, shared (read only)
         k = len(self.heads.w1)
+        if isinstance(tree, str):
+            if tree != "auto":
+                raise SpecbenchError(f"medusa: tree={tree!r} is neither a list of top-rank paths nor 'auto'")
+            tree = paths_from_accuracies(self.measured_accuracies(checkpoint), tree_nodes)
         self.paths, parents = sorted_paths(tree or [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]][:k], max_depth=k)
         self.parents = torch.tensor([parents], device=target.device)
         self.depth_idx = torch.tensor([len(p) - 1 for p in self.paths], device=target.device)
@@ -97,6 +108,37 @@ class MedusaDrafter(TrainableDrafter):
         if depth > preds.shape[1]:
             preds = torch.cat([preds, preds.new_full((len(positions), depth - preds.shape[1]), -1)], dim=1)
         return preds[:, :depth]
+
+    @classmethod
+    @torch.no_grad()
+    def validation_extras(cls, module, val, target) -> dict:
+        """head_topk_acc[k-1][i]: how often head k's rank-i token is the target's token x_{t+k}, for every root x_t
+        inside the held-out answers, the heads reading the target's own h_{t-1} as at decode time."""
+        hits, count = None, 0
+        for file, j in val.index():
+            x = val.load(file, j)
+            ids, hidden = x["input_ids"].to(target.device), x["hidden"].to(target.device)
+            k = len(module.w1)
+            first = max(int(x["loss_mask"].nonzero()[0]), 1)
+            roots = torch.arange(first, len(ids) - k, device=ids.device)  # [P] roots with all K tokens after them
+            if len(roots) == 0:
+                continue
+            logits = target.lm_head(module(hidden[roots - 1].float()).to(target.dtype))  # [P, K, V]
+            top = logits.topk(cls.ACC_RANKS, dim=-1).indices  # [P, K, R]
+            truth = ids[roots[:, None] + torch.arange(1, k + 1, device=ids.device)]  # [P, K]
+            h = (top == truth[..., None]).sum(0)  # [K, R]
+            hits, count = (h if hits is None else hits + h), count + len(roots)
+        if hits is None:
+            return {}
+        return {"head_topk_acc": (hits.double() / count).tolist(), "head_acc_roots": count}
+
+    @staticmethod
+    def measured_accuracies(checkpoint: str | None) -> list[list[float]]:
+        acc = read_meta(Path(checkpoint)).get("metrics", {}).get("head_topk_acc") if checkpoint else None
+        if not acc:
+            raise SpecbenchError("medusa: tree=auto needs a checkpoint whose validation measured its heads' accuracies "
+                                 f"({checkpoint}: none; retrain it with `python -m specbench.train drafter=medusa`)")
+        return acc
 
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:

@@ -46,6 +46,25 @@ def sorted_paths(paths: list[list[int]], max_depth: int | None = None) -> tuple[
     return paths, parents
 
 
+def paths_from_accuracies(acc: list[list[float]], nodes: int) -> list[list[int]]:
+    """Medusa's sparse tree (papers/001, "optimized sparse trees"): acc[d][i] = measured probability that the rank-i
+    candidate at depth d+1 is the target's token. Assuming depths independent, a path's chance of being accepted
+    whole is the product of its ranks' accuracies, and the expected acceptance length of a tree is the sum of that
+    over its nodes. Greedily add the node with the largest product whose parent is already in: every prefix of a
+    path scores at least as high as the path, so this keeps the tree prefix-closed."""
+    if nodes < 1 or not acc or not acc[0]:
+        raise SpecbenchError("a tree from accuracies needs nodes >= 1 and at least one measured rank")
+    chosen: list[list[int]] = []
+    frontier = {(i,): acc[0][i] for i in range(len(acc[0]))}
+    while frontier and len(chosen) < nodes:
+        path = max(frontier, key=lambda p: (frontier[p], [-r for r in p]))  # ties: shallower ranks first
+        score = frontier.pop(path)
+        chosen.append(list(path))
+        if len(path) < len(acc):
+            frontier.update({(*path, i): score * a for i, a in enumerate(acc[len(path)])})
+    return chosen
+
+
 class StaticTree:
     def __init__(self, paths: list[list[int]], **_):
         self.paths, self.parents = sorted_paths(paths)

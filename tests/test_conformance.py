@@ -30,6 +30,8 @@ def make_drafter(name: str, target: TargetModel) -> Drafter:
     spec = inference_spec(node)
     if "checkpoint" in spec:
         spec["checkpoint"] = None
+    if spec.get("tree") == "auto":  # a tree built from the trained heads' measured accuracies: untrained, a fixed one
+        spec["tree"] = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
     torch.manual_seed(0)  # untrained modules: every instance gets the same initial weights
     return instantiate(spec, target=target, _convert_="object")
 

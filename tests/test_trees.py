@@ -1,8 +1,11 @@
-"""Draft-tree policies: EAGLE-2's dynamic tree and static top-rank paths."""
+"""Draft-tree policies: EAGLE-2's dynamic tree, static top-rank paths and Medusa's tree from measured accuracies."""
 import pytest
 import torch
 
-from drafters.trees import DynamicTree, StaticTree, make_tree, sorted_paths
+import itertools
+import math
+
+from drafters.trees import DynamicTree, StaticTree, make_tree, paths_from_accuracies, sorted_paths
 from specbench.errors import SpecbenchError
 from specbench.tree import node_depths
 
@@ -70,3 +73,26 @@ def test_bad_paths_are_refused(paths, message):
 def test_unknown_tree_kind():
     with pytest.raises(SpecbenchError, match="tree.kind"):
         make_tree("bushy")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("nodes", [1, 5, 19])
+def test_tree_from_accuracies_holds_the_most_likely_paths(seed, nodes):
+    """The chosen nodes are the `nodes` paths with the largest acceptance probability among all paths (so no tree of
+    that size has a larger expected acceptance length), and every prefix is in."""
+    g = torch.Generator().manual_seed(seed)
+    acc = (torch.rand(3, 4, generator=g).sort(descending=True).values * 0.6).tolist()  # [depth, rank]
+    paths = paths_from_accuracies(acc, nodes)
+    assert len(paths) == nodes and all(p[:-1] in paths for p in paths if len(p) > 1)
+    value = lambda p: math.prod(acc[d][r] for d, r in enumerate(p))  # noqa: E731
+    every = [list(p) for n in range(1, 4) for p in itertools.product(range(4), repeat=n)]
+    best = sorted((value(p) for p in every), reverse=True)[:nodes]
+    assert sorted((value(p) for p in paths), reverse=True) == pytest.approx(best)
+    sorted_paths(paths, max_depth=3)  # a valid static tree
+
+
+def test_tree_from_accuracies_is_prefix_closed_when_ranks_are_not_sorted():
+    acc = [[0.1, 0.5], [0.9, 0.0]]  # rank 1 measured more accurate than rank 0 at depth 1
+    assert paths_from_accuracies(acc, 3) == [[1], [1, 0], [0]]
+    with pytest.raises(SpecbenchError, match="nodes >= 1"):
+        paths_from_accuracies(acc, 0)
