@@ -70,6 +70,8 @@ TABLES = {
                            ("eagle", "eagle2", "hass", "coral", "coral_router"), ("mtbench", "humaneval", "gsm8k"),
                            ("tau", "spu"), (0.0, 1.0), mean=True),
                      router_table("mtbench", "humaneval", "gsm8k")],
+    "train_check": [Table("check", "The training pipeline's drafters on a question file (dataset=jsonl), T=0",
+                          ("none", "sd", "medusa"), ("jsonl",), ("speed", "spu", "tau", "a0", "a1", "a2", "a3"))],
     "moa_table2": [Table("table2", "Speedup and τ on the Spec-Bench categories (papers/002 Table 2)",
                          ("eagle2", "moa", "moa_tli1", "sd"),
                          ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"), mean=True)],
@@ -81,12 +83,15 @@ def _at(xs, i):
 
 
 def load_runs(exp_dir: Path) -> dict[tuple[str, str, float], dict]:
-    """(drafter, dataset, temperature) -> summary + header, from every finished run of the experiment."""
+    """(drafter, dataset, temperature) -> summary + header, from every finished run of the experiment. Where several
+    runs fill one cell (the drafter's weights or options changed since: a new config hash), the newest run does."""
     runs = {}
     for run in sorted(exp_dir.glob("*/summary.json")):
         s = json.loads(run.read_text())
         head = json.loads((run.parent / "run.json").read_text())
-        runs[(s["drafter"], s["dataset"], float(s["temperature"]))] = {**s, "_head": head}
+        key = (s["drafter"], s["dataset"], float(s["temperature"]))
+        if key not in runs or (head["date"], run.parent.name) > (runs[key]["_head"]["date"], runs[key]["run"]):
+            runs[key] = {**s, "_head": head}
     return runs
 
 

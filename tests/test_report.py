@@ -1,6 +1,7 @@
 """Experiments as Hydra sweeps (resumable, never mixing configs) and `make figures` from results/ alone."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,13 @@ def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp
     first = {p: p.read_bytes() for p in written}
     report(results)
     assert {p: p.read_bytes() for p in written} == first
+    # the pld runs again with other weights (another config hash) later: the newest run fills the cell
+    newer = results / "eagle_alpha" / (pld.parent.name[:-8] + "ffffffff")
+    shutil.copytree(pld.parent, newer)
+    head = json.loads((newer / "run.json").read_text())
+    summary = json.loads((newer / "summary.json").read_text())
+    (newer / "summary.json").write_text(json.dumps({**summary, "run": newer.name, "tau_micro": 9.0}))
+    (newer / "run.json").write_text(json.dumps({**head, "date": "2000-01-01T00:00:00+00:00"}))
+    assert load_runs(results / "eagle_alpha")[("pld", "jsonl", 0.0)]["run"] == pld.parent.name  # older: ignored
+    (newer / "run.json").write_text(json.dumps({**head, "date": "2999-01-01T00:00:00+00:00"}))
+    assert load_runs(results / "eagle_alpha")[("pld", "jsonl", 0.0)]["tau_micro"] == 9.0
