@@ -72,6 +72,8 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     warmup_steps: int = 20
+    # after warm-up: constant, or cosine = decay to 0 over the planned steps (epochs x batches, or max_steps)
+    lr_schedule: str = "constant"
     grad_clip: float = 0.5
     noise: str = "none"  # none | uniform (EAGLE: U(-s, s)) | gaussian (Beagle: N(0, s)) on the target features
     noise_scale: float = 0.0

@@ -49,7 +49,7 @@ from specbench.types import SamplingParams
 
 log = logging.getLogger("specbench.train")
 RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype"}  # may change on resume
-OPTIM_KEYS = {"lr", "warmup_steps", "weight_decay", "grad_clip", "noise", "noise_scale"}
+OPTIM_KEYS = {"lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "noise", "noise_scale"}
 
 
 @dataclass
@@ -180,8 +180,15 @@ def validate(cls: type[TrainableDrafter], module, val: FeatureSet, cfg: TrainCon
     return {"alpha": alpha, "alpha_trials": trials, "sim_tau": tau}
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    return cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Linear warm-up to cfg.lr, then constant or a cosine decay to 0 at total_steps."""
+    warm = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+    if cfg.lr_schedule == "constant" or step < cfg.warmup_steps:
+        return cfg.lr * warm
+    if cfg.lr_schedule == "cosine":
+        done = min(1.0, (step - cfg.warmup_steps) / max(total_steps - cfg.warmup_steps, 1))
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * done))
+    raise SpecbenchError(f"train.lr_schedule={cfg.lr_schedule!r} is not one of constant, cosine")
 
 
 class Trainer:
@@ -195,6 +202,8 @@ class Trainer:
         if unknown:
             raise SpecbenchError(f"drafter.optim may set only {', '.join(sorted(OPTIM_KEYS))}; not {', '.join(sorted(unknown))}")
         self.tc: TrainConfig = to_dataclass(TrainConfig, OmegaConf.merge(cfg.train, optim))
+        if self.tc.lr_schedule not in ("constant", "cosine"):
+            raise SpecbenchError(f"train.lr_schedule={self.tc.lr_schedule!r} is not one of constant, cosine")
         self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
         self.cls = get_class(cfg.drafter._target_)
         if not (isinstance(self.cls, type) and issubclass(self.cls, TrainableDrafter)):
@@ -237,9 +246,10 @@ class Trainer:
         last = self.out / "last"
         if tc.resume and (last / "config.json").is_file():
             meta = load_checkpoint(last, module, self.target, self.cls.name)
+            defaults = asdict(TrainConfig())  # a key the checkpoint predates was at its default then
             # a `last` from another budget would silently continue (or, finished, stand in for) a different training
             changed = sorted(k for k, v in asdict(tc).items()
-                             if k not in RESUME_FREE and json.dumps(meta["train"].get(k)) != json.dumps(v))
+                             if k not in RESUME_FREE and json.dumps(meta["train"].get(k, defaults.get(k))) != json.dumps(v))
             if changed:
                 raise SpecbenchError(f"{last} was trained with another budget ({', '.join(changed)} differ): "
                                      "add train.resume=false to start over, or remove it")
@@ -248,7 +258,12 @@ class Trainer:
             log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], step)
         model = torch.nn.parallel.DistributedDataParallel(module) if self.world > 1 else module
         index = train_set.index()
+        total_steps = tc.epochs * math.ceil(len(index[self.rank :: self.world]) / tc.batch_size)
+        if tc.max_steps is not None:
+            total_steps = min(total_steps, tc.max_steps)
         logf = self.out / "log.jsonl"
+        if step == 0 and self.rank == 0:
+            logf.unlink(missing_ok=True)  # a fresh start: the log describes this training's checkpoints only
         mem = PeakMemory(dev)
         noise_gen = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
@@ -266,7 +281,7 @@ class Trainer:
                 batch = collate([train_set.load(*index[i], kv=needs_kv) for i in b], dev)
                 add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
                 for g in opt.param_groups:
-                    g["lr"] = lr_at(step, tc)
+                    g["lr"] = lr_at(step, tc, total_steps)
                 opt.zero_grad(set_to_none=True)
                 loss, parts = 0.0, {}
                 # one or more independent graphs (Beagle's simulated steps), each backpropagated as soon as it is
@@ -288,7 +303,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.3f}")
                 if self.rank == 0 and step % tc.log_every == 0:
                     self._log(logf, {"kind": "train", "epoch": epoch, "step": step, "loss": loss, **parts,
-                                     "grad_norm": float(gnorm), "lr": lr_at(step, tc),
+                                     "grad_norm": float(gnorm), "lr": lr_at(step, tc, total_steps),
                                      "tokens_per_s": tokens * self.world / (time.perf_counter() - t0)})
                 if tc.max_steps is not None and step >= tc.max_steps:
                     done = True

@@ -229,6 +229,39 @@ def test_medusa_self_distillation_labels_are_the_targets_law_at_each_offset():
     torch.testing.assert_close(loss, ref)
 
 
+def test_sd_distillation_loss_equals_kl_over_every_assistant_position():
+    """The LM heads applied only where the loss mask is set give KL(p_target || q_draft) on the full logits."""
+    from specbench.train import Batch
+
+    torch.manual_seed(0)
+    t = TargetModel(tiny_llama(vocab=50, layers=3), None, torch.device("cpu"), "t")
+    m = IndependentDrafter.build_module(t, init_layers=[0, -1])
+    ids, attn = torch.randint(0, 50, (2, 20)), torch.ones(2, 20, dtype=torch.long)
+    attn[1, 14:] = 0  # right padding
+    lm = (torch.rand(2, 20) > 0.4).long() * attn
+    with torch.no_grad():
+        h = t.model(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states[-1]
+    loss, parts = IndependentDrafter.training_loss(m, Batch(ids, lm, attn, h, h), t)
+    mask = lm[:, 1:].bool()
+    logq = m(input_ids=ids, attention_mask=attn).logits[:, :-1][mask].log_softmax(-1)
+    p = t.lm_head(h[:, :-1][mask]).softmax(-1)
+    torch.testing.assert_close(loss, (p * (p.log() - logq)).sum(-1).mean())
+    assert 0.0 <= parts["top1"] <= 1.0 and loss.item() > 0
+
+
+def test_lr_schedule_warms_up_then_stays_or_decays_to_zero():
+    from specbench.config import TrainConfig
+    from specbench.train import lr_at
+
+    const, cos = TrainConfig(lr=1.0, warmup_steps=4), TrainConfig(lr=1.0, warmup_steps=4, lr_schedule="cosine")
+    assert [lr_at(s, const, 20) for s in (0, 3, 19)] == [0.25, 1.0, 1.0]
+    cosine = [lr_at(s, cos, 20) for s in range(21)]
+    assert cosine[:5] == [0.25, 0.5, 0.75, 1.0, 1.0] and cosine[12] == pytest.approx(0.5) and cosine[20] == 0.0
+    assert all(a >= b for a, b in zip(cosine[4:], cosine[5:]))
+    with pytest.raises(SpecbenchError, match="lr_schedule"):
+        lr_at(30, TrainConfig(lr_schedule="linear"), 40)
+
+
 def test_trainmem_graph_memory_is_flat_for_beagle_and_grows_for_hass(tmp_path, sharegpt_file, tiny_checkpoint):
     """The exact saved-for-backward bytes: Beagle's late stage keeps 2T keys whatever s; HASS's graph grows with s."""
     from hydra import compose, initialize_config_dir
