@@ -113,8 +113,8 @@ class TrainableDrafter(Drafter):
 
     @classmethod
     def validation_extras(cls, module, val, target) -> dict:
-        """Method-specific numbers measured on the validation FeatureSet `val` after each epoch, logged with the
-        epoch's row and kept in the checkpoint's metrics (Medusa: its heads' top-k accuracies, for its tree)."""
+        """Method-specific numbers measured after each epoch on the held-out items `val` (FeatureSet.load dicts),
+        logged with the epoch's row and kept in the checkpoint's metrics (Medusa: its heads' top-k accuracies)."""
         del module, val, target
         return {}
 

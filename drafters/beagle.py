@@ -37,6 +37,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.base import HIDDEN, TrainableDrafter
+from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.trees import make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
@@ -155,14 +156,10 @@ class BeagleDrafter(TrainableDrafter):
     def _step_loss(block, out, batch, target, rows: torch.Tensor) -> tuple[torch.Tensor, float, float]:
         """CE to the target's next-token law + vloss at the query positions `rows` [B, T] bool."""
         pred, true = out[rows], batch.hidden[rows]  # [M, H]: h^_n vs h_n (q_n predicts t_{n+1})
-        with torch.no_grad():
-            p = target.lm_head(true.to(target.dtype)).float().softmax(-1)
+        p = teacher_probs(target, true)
         logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
-        ce = -(p * logq).sum(-1).mean()
         vloss = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
-        with torch.no_grad():
-            top1 = (logq.argmax(-1) == p.argmax(-1)).float().mean().item()
-        return ce + block.vloss_weight * vloss, vloss.item(), top1
+        return soft_ce(p, logq) + block.vloss_weight * vloss, vloss.item(), top1(logq, p)
 
     @classmethod
     def training_loss(cls, module, batch, target):
@@ -184,15 +181,15 @@ class BeagleDrafter(TrainableDrafter):
         real = batch.attn_mask.bool()
         if epoch < block.late_from_epoch:  # early stage: one pass, every query, states up to its window start
             out = next(simulated_steps(module, emb, batch.hidden_in, real, start, 1))
-            loss, vloss, top1 = cls._step_loss(block, out, batch, target, trainable)
-            yield block.window * loss, {"stage": 0, "vloss": vloss, "top1": top1}
+            loss, vloss, agree = cls._step_loss(block, out, batch, target, trainable)
+            yield block.window * loss, {"stage": 0, "vloss": vloss, "top1": agree}
             return
         rows = [trainable & (rel == i)[None] for i in range(1, block.sim_steps + 1)]
         trained = [bool(r.any()) for r in rows]
         for i, out in enumerate(simulated_steps(module, emb, batch.hidden_in, real, start, block.sim_steps, trained), 1):
             if trained[i - 1]:
-                loss, vloss, top1 = cls._step_loss(block, out, batch, target, rows[i - 1])
-                yield (block.window - i + 1) * loss, {"stage": 1, f"vloss{i}": vloss, f"top1_{i}": top1}
+                loss, vloss, agree = cls._step_loss(block, out, batch, target, rows[i - 1])
+                yield (block.window - i + 1) * loss, {"stage": 1, f"vloss{i}": vloss, f"top1_{i}": agree}
 
     @classmethod
     @torch.no_grad()

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafters.distill import teacher_probs
 from drafters.hass import HassDrafter, harmonized_inputs, harmonized_steps, next_step_input
 
 
@@ -136,7 +137,7 @@ class CoralRouterDrafter(CoralDrafter):
             feats = [feat0]
             if head.steps > 1:
                 feats += [next_step_input(feat0, p) for p in harmonized_steps(head, emb, feat0, pad, head.steps - 1)]
-            p = target.lm_head(batch.hidden[:, 1:-1][mask_tok].to(target.dtype)).float().softmax(-1)
+            p = teacher_probs(target, batch.hidden[:, 1:-1][mask_tok])  # [M, V]
             mass = head.router.group_mass(p)  # [M, N]
         e, f, pos, mask = harmonized_inputs(emb, feats, pad)
         _, logits = module(e, f, position_ids=pos, attention_mask=mask, route=True)  # [B, n*T, N]

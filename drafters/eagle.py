@@ -21,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from drafters.base import HIDDEN, TrainableDrafter
+from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.trees import make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
@@ -94,13 +95,10 @@ class EagleDrafter(TrainableDrafter):
         mask = batch.loss_mask[:, 2:].bool()  # f^_{i+1} -> p^_{i+2} predicts t_{i+2}
         pred, true = pred[:, :-1][mask], batch.hidden[:, 1:-1][mask]  # [M, H]
         reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
-        with torch.no_grad():
-            p = target.lm_head(true.to(target.dtype)).float().softmax(-1)
+        p = teacher_probs(target, true)
         logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
-        cls_loss = -(p * logq).sum(-1).mean()
-        with torch.no_grad():
-            top1 = (logq.argmax(-1) == p.argmax(-1)).float().mean()
-        return reg + cls.w_cls * cls_loss, {"reg": reg.item(), "cls": cls_loss.item(), "top1": top1.item()}
+        cls_loss = soft_ce(p, logq)
+        return reg + cls.w_cls * cls_loss, {"reg": reg.item(), "cls": cls_loss.item(), "top1": top1(logq, p)}
 
     @staticmethod
     def draft_logits(head: EagleHead, lm_head: nn.Module, f: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from drafters.distill import soft_ce, teacher_probs
 from drafters.eagle import EagleDrafter
 
 
@@ -81,9 +82,8 @@ class HassDrafter(EagleDrafter):
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1}) [B, n, H]
         mask_tok = batch.loss_mask[:, 2:].bool()  # F_{i+1} -> predicts t_{i+2}
         true = batch.hidden[:, 1:-1][mask_tok]  # [M, H]
-        with torch.no_grad():
-            p = target.lm_head(true.to(target.dtype)).float().softmax(-1)
-            top_p, top_idx = p.topk(head.topk, dim=-1)
+        p = teacher_probs(target, true)  # [M, V]
+        top_p, top_idx = p.topk(head.topk, dim=-1)
         loss, parts, preds = 0.0, {}, []
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], head.steps)
         for j, pred_all in enumerate(steps, 1):
@@ -91,7 +91,7 @@ class HassDrafter(EagleDrafter):
             preds.append(pred)
             reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
             logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
-            cls_loss = -(p * logq).sum(-1).mean()
+            cls_loss = soft_ce(p, logq)
             topk_loss = -(top_p * logq.gather(-1, top_idx)).sum(-1).mean()
             loss = loss + (cls.w_reg * reg + cls.w_cls * cls_loss + head.topk_weight * topk_loss) / head.steps
             parts[f"reg{j}"], parts[f"top{j}"] = reg.item(), topk_loss.item()

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import HIDDEN, TrainableDrafter
+from drafters.distill import soft_ce, teacher_probs
 from drafters.trees import paths_from_accuracies, sorted_paths
 from specbench.checkpoints import read_meta
 from specbench.errors import SpecbenchError
@@ -80,20 +81,19 @@ class MedusaDrafter(TrainableDrafter):
         feats = module(batch.hidden_in)  # [B, T, K, H]: a single forward through the (possibly DDP) module
         k_heads = feats.shape[2]
         heads = getattr(module, "module", module)  # unwrap DDP for the hyperparameters
-        label_logits = row_of = None
+        label_p = row_of = None
         if heads.labels == "target":  # one LM-head pass serves every head: y_{u+2}'s law is read off h_{u+1}
+            keep = batch.loss_mask[:, 2:].bool()  # [B, T-2]: every label position some head is trained on
+            label_p = teacher_probs(target, batch.hidden[:, 1:-1][keep])  # [M, V]
             with torch.no_grad():
-                keep = batch.loss_mask[:, 2:].bool()  # [B, T-2]: every label position some head is trained on
-                label_logits = target.lm_head(batch.hidden[:, 1:-1][keep].to(target.dtype)).float()  # [M, V]
                 row_of = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
                 row_of[keep] = torch.arange(int(keep.sum()), device=keep.device)
         loss, parts = 0.0, {}
         for k in range(1, k_heads + 1):  # head k reads h_t and predicts y_{t+k+1}
             mask = batch.loss_mask[:, k + 1 :].bool()
             logits = target.lm_head(feats[:, : -(k + 1), k - 1][mask].to(target.dtype)).float()
-            if label_logits is not None:  # y_{t+k+1} is label row u = t + k - 1
-                soft = label_logits[row_of[:, k - 1 :][:, : mask.shape[1]][mask]].softmax(-1)
-                ce = -(soft * logits.log_softmax(-1)).sum(-1).mean()
+            if label_p is not None:  # y_{t+k+1} is label row u = t + k - 1
+                ce = soft_ce(label_p[row_of[:, k - 1 :][:, : mask.shape[1]][mask]], logits.log_softmax(-1))
             else:
                 ce = F.cross_entropy(logits, batch.input_ids[:, k + 1 :][mask])
             loss = loss + heads.decay**k * ce
@@ -115,8 +115,7 @@ class MedusaDrafter(TrainableDrafter):
         """head_topk_acc[k-1][i]: how often head k's rank-i token is the target's token x_{t+k}, for every root x_t
         inside the held-out answers, the heads reading the target's own h_{t-1} as at decode time."""
         hits, count = None, 0
-        for file, j in val.index():
-            x = val.load(file, j)
+        for x in val:
             ids, hidden = x["input_ids"].to(target.device), x["hidden"].to(target.device)
             k = len(module.w1)
             first = max(int(x["loss_mask"].nonzero()[0]), 1)

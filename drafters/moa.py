@@ -32,6 +32,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.base import KV, TrainableDrafter
 from drafters.beagle import BeagleBlock
+from drafters.distill import kl, teacher_probs, top1
 from drafters.eagle import _mask, one_layer_decoder
 from drafters.trees import make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -189,14 +190,12 @@ class MoADrafter(TrainableDrafter):
         rows[:, :-1] = batch.loss_mask[:, 1:].bool()  # the query at q predicts t_{q+1}
         rows &= (starts >= 0)[None]
         true = batch.hidden if head.tli == 0 else batch.pre[:, :, head.tli - 1]
-        with torch.no_grad():
-            p = target.lm_head(batch.hidden[rows].to(target.dtype)).float().softmax(-1)
+        p = teacher_probs(target, batch.hidden[rows])  # [M, V]
         logq = logits[rows].log_softmax(-1)
-        kl = (p * (p.clamp_min(1e-30).log() - logq)).sum(-1).mean()
+        kl_loss = kl(p, logq)
         reg = F.smooth_l1_loss(out[rows], true[rows], reduction="none").mean(-1).mean()
-        with torch.no_grad():
-            top1 = (logq.argmax(-1) == p.argmax(-1)).float().mean().item()
-        return cls.lambda_kl * kl + cls.lambda_reg * reg, {"kl": kl.item(), "reg": reg.item(), "top1": top1}
+        return cls.lambda_kl * kl_loss + cls.lambda_reg * reg, {"kl": kl_loss.item(), "reg": reg.item(),
+                                                                "top1": top1(logq, p)}
 
     @classmethod
     @torch.no_grad()

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from drafters.base import TrainableDrafter
+from drafters.distill import kl, teacher_probs, top1
 from specbench.errors import SpecbenchError
 from specbench.sampling import logits_to_probs, sample
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -81,12 +82,9 @@ class IndependentDrafter(TrainableDrafter):
         hs = module.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attn_mask).last_hidden_state
         mask = batch.loss_mask[:, 1:].bool()  # position t predicts token t+1
         logq = module.lm_head(hs[:, :-1][mask]).float().log_softmax(-1)  # [N, V]
-        with torch.no_grad():
-            p = target.lm_head(batch.hidden[:, :-1][mask].to(target.dtype)).float().softmax(-1)  # teacher, [N, V]
-        kl = (p * (p.clamp_min(1e-12).log() - logq)).sum(-1).mean()
-        with torch.no_grad():
-            top1 = (logq.argmax(-1) == p.argmax(-1)).float().mean()
-        return kl, {"kl": kl.item(), "top1": top1.item()}
+        p = teacher_probs(target, batch.hidden[:, :-1][mask])  # [N, V]
+        loss = kl(p, logq)
+        return loss, {"kl": loss.item(), "top1": top1(logq, p)}
 
     @classmethod
     @torch.no_grad()

@@ -149,13 +149,12 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
 
 
 @torch.no_grad()
-def validate(cls: type[TrainableDrafter], module, val: FeatureSet, cfg: TrainConfig, target) -> dict:
+def validate(cls: type[TrainableDrafter], module, val: list[dict], cfg: TrainConfig, target) -> dict:
     """Chain drafting on the drafter's own predictions from evenly spaced roots inside the target's own answers:
     alpha[n] = P(token n+1 accepted | tokens 1..n accepted); simulated tau = 1 + sum_n prod_{i<=n} alpha[i]."""
     module.eval()
     trials, accepts = [0] * cfg.val_depth, [0] * cfg.val_depth
-    for file, j in val.index():
-        x = val.load(file, j)
+    for x in val:
         ids, hidden, mask = x["input_ids"].to(target.device), x["hidden"].float().to(target.device), x["loss_mask"]
         start = int(mask.nonzero()[0])  # first answer token; roots are answer tokens with a full chain after them
         last = len(ids) - 1 - cfg.val_depth
@@ -182,13 +181,12 @@ def validate(cls: type[TrainableDrafter], module, val: FeatureSet, cfg: TrainCon
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     """Linear warm-up to cfg.lr, then constant or a cosine decay to 0 at total_steps."""
-    warm = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+    if cfg.lr_schedule not in ("constant", "cosine"):
+        raise SpecbenchError(f"train.lr_schedule={cfg.lr_schedule!r} is not one of constant, cosine")
     if cfg.lr_schedule == "constant" or step < cfg.warmup_steps:
-        return cfg.lr * warm
-    if cfg.lr_schedule == "cosine":
-        done = min(1.0, (step - cfg.warmup_steps) / max(total_steps - cfg.warmup_steps, 1))
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * done))
-    raise SpecbenchError(f"train.lr_schedule={cfg.lr_schedule!r} is not one of constant, cosine")
+        return cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+    done = min(1.0, (step - cfg.warmup_steps) / max(total_steps - cfg.warmup_steps, 1))
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * done))
 
 
 class Trainer:
@@ -202,8 +200,7 @@ class Trainer:
         if unknown:
             raise SpecbenchError(f"drafter.optim may set only {', '.join(sorted(OPTIM_KEYS))}; not {', '.join(sorted(unknown))}")
         self.tc: TrainConfig = to_dataclass(TrainConfig, OmegaConf.merge(cfg.train, optim))
-        if self.tc.lr_schedule not in ("constant", "cosine"):
-            raise SpecbenchError(f"train.lr_schedule={self.tc.lr_schedule!r} is not one of constant, cosine")
+        lr_at(0, self.tc, 1)  # a bad lr_schedule fails here, before features or training
         self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
         self.cls = get_class(cfg.drafter._target_)
         if not (isinstance(self.cls, type) and issubclass(self.cls, TrainableDrafter)):
@@ -258,6 +255,7 @@ class Trainer:
             log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], step)
         model = torch.nn.parallel.DistributedDataParallel(module) if self.world > 1 else module
         index = train_set.index()
+        val_items = [val_set.load(*ix) for ix in val_set.index()]  # small, read once, every epoch's validation
         total_steps = tc.epochs * math.ceil(len(index[self.rank :: self.world]) / tc.batch_size)
         if tc.max_steps is not None:
             total_steps = min(total_steps, tc.max_steps)
@@ -310,9 +308,9 @@ class Trainer:
                     break
             epoch_s = time.perf_counter() - t0
             if self.rank == 0:
-                val = validate(self.cls, module, val_set, tc, self.target)
+                val = validate(self.cls, module, val_items, tc, self.target)
                 module.eval()
-                val |= self.cls.validation_extras(module, val_set, self.target)
+                val |= self.cls.validation_extras(module, val_items, self.target)
                 module.train()
                 metrics = {"kind": "val", "epoch": epoch, "step": step, **val, "epoch_s": epoch_s,
                            "train_tokens_per_s": tokens * self.world / epoch_s, **mem.read()}
