@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from drafters.base import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
-from drafters.trees import make_tree
+from drafters.trees import GrowingTree, draft_mask, make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -59,15 +59,6 @@ class EagleHead(nn.Module):
         out = self.body(inputs_embeds=x, past_key_values=cache, position_ids=position_ids,
                         attention_mask=attention_mask, use_cache=cache is not None).last_hidden_state
         return (out, self.router(out)) if route else out
-
-
-def _mask(prefix: int, slots: list[list[int]], total: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask for new draft rows: every row sees the verified prefix and the cache slots it lists. [1,1,R,total]"""
-    m = torch.full((1, 1, len(slots), total), torch.finfo(dtype).min, dtype=dtype, device=device)
-    m[..., :prefix] = 0
-    for r, cols in enumerate(slots):
-        m[0, 0, r, cols] = 0
-    return m
 
 
 class EagleDrafter(TrainableDrafter):
@@ -138,26 +129,15 @@ class EagleDrafter(TrainableDrafter):
         root_f = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos)[0, -1]
         self.verified += n
         out_f: dict[int, torch.Tensor] = {}  # node -> its predicted feature (input of its children)
-        slot: dict[int, int] = {}  # node -> its entry in the head's cache
-        depth: dict[int, int] = {-1: 0}
-        parent_of: dict[int, int] = {}
+        book = GrowingTree()
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            for node, par in zip(nodes, parents):
-                parent_of[node], depth[node] = par, depth[par] + 1
             first = self.cache.get_seq_length()
-            rows = []
-            for j, node in enumerate(nodes):
-                slot[node] = first + j
-                anc, a = [], node
-                while a >= 0:
-                    anc.append(slot[a])
-                    a = parent_of[a]
-                rows.append(anc)
-            f_in = torch.stack([root_f if parent_of[v] < 0 else out_f[parent_of[v]] for v in nodes])[None]
+            book.add(nodes, parents, first)
+            f_in = torch.stack([root_f if book.parent[v] < 0 else out_f[book.parent[v]] for v in nodes])[None]
             emb = self.embed(torch.tensor([tokens], device=self.device))
-            pos = torch.tensor([[self.verified + depth[v] - 1 for v in nodes]], device=self.device)
-            mask = _mask(self.verified, rows, first + len(nodes), f_in.dtype, self.device)
+            pos = torch.tensor([[self.verified + book.depth[v] - 1 for v in nodes]], device=self.device)
+            mask = draft_mask(self.verified, book.rows(nodes), first + len(nodes), f_in.dtype, self.device)
             f = self.head(emb, f_in, self.cache, position_ids=pos, attention_mask=mask)[0]
             for j, node in enumerate(nodes):
                 out_f[node] = f[j]

@@ -33,8 +33,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from drafters.base import KV, TrainableDrafter
 from drafters.beagle import BeagleBlock
 from drafters.distill import kl, teacher_probs, top1
-from drafters.eagle import _mask, one_layer_decoder
-from drafters.trees import make_tree
+from drafters.eagle import one_layer_decoder
+from drafters.trees import GrowingTree, draft_mask, make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -253,7 +253,7 @@ class MoADrafter(TrainableDrafter):
         wdt = self.net.ca.q_proj.weight.dtype
         p = torch.tensor([pos], device=self.device)
         first = self.sa_cache.get_seq_length()
-        mask = _mask(self.sa_len, sa_rows, first + len(tokens), wdt, self.device)
+        mask = draft_mask(self.sa_len, sa_rows, first + len(tokens), wdt, self.device)
         q = self.net.sa(inputs_embeds=self.embed(torch.tensor([tokens], device=self.device)).to(wdt),
                         past_key_values=self.sa_cache, position_ids=p, attention_mask=mask,
                         use_cache=True).last_hidden_state
@@ -300,25 +300,15 @@ class MoADrafter(TrainableDrafter):
         toks = state.tokens
         root_logits = self._root_logits(toks, state)
         root_pos = toks.shape[1] - 1
-        sa_slot: dict[int, int] = {}
+        book = GrowingTree()  # slots: the SA cache
         tli_slot: dict[int, int] = {-1: self.acts}
-        parent_of: dict[int, int] = {}
-        depth: dict[int, int] = {-1: 0}
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            sa_first = self.sa_cache.get_seq_length()
+            book.add(nodes, parents, self.sa_cache.get_seq_length())
             tli_first = self.tli_kv[0][0].shape[2] if self.net.tli else 0
-            sa_rows, tli_rows = [], []
-            for j, (node, par) in enumerate(zip(nodes, parents)):
-                parent_of[node], depth[node] = par, depth[par] + 1
-                sa_slot[node], tli_slot[node] = sa_first + j, tli_first + j
-                chain, a = [], node
-                while a >= 0:
-                    chain.append(a)
-                    a = parent_of[a]
-                sa_rows.append([sa_slot[c] for c in chain])
-                tli_rows.append([tli_slot[c] for c in chain] + [tli_slot[-1]])
-            return self._rows(tokens, [root_pos + depth[v] for v in nodes], sa_rows, tli_rows)
+            tli_slot.update({node: tli_first + j for j, node in enumerate(nodes)})
+            tli_rows = [[tli_slot[c] for c in book.lineage(v)] + [tli_slot[-1]] for v in nodes]
+            return self._rows(tokens, [root_pos + book.depth[v] for v in nodes], book.rows(nodes), tli_rows)
 
         grown = self.policy.grow(root_logits, expand)
         self.crop()

@@ -9,6 +9,11 @@ Draft model, in order of precedence:
   (negative indices count from the end), trained by distillation, KL(p_target || q_draft) on assistant tokens, by the
   shared trainer (`python -m specbench.train drafter=sd`). `checkpoint` loads the trained layers; without one the
   module is the untrained layer-truncated target (lossless, weak).
+
+`tree` (conf/drafter/sd_tree.yaml): instead of the chain, the same draft model grows a draft tree with a shared
+policy (drafters/trees.py), as MoA decodes its "Independent" baseline (EAGLE-2's dynamic tree, papers/002 Sec. 4).
+Tree nodes are deterministic top-k choices, so at T>0 they are verified with q = 1 (lossless, but not Algorithm 1's
+sampled chain: `gamma` is then unused).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from drafters.base import TrainableDrafter
 from drafters.distill import kl, teacher_probs, top1
+from drafters.trees import GrowingTree, draft_mask, make_tree
 from specbench.errors import SpecbenchError
 from specbench.sampling import logits_to_probs, sample
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -52,10 +58,11 @@ class IndependentDrafter(TrainableDrafter):
     name = "sd"
 
     def __init__(self, target, gamma: int = 5, model_path: str | None = None, checkpoint: str | None = None,
-                 module: dict | None = None):
+                 module: dict | None = None, tree: dict | None = None):
         if gamma < 1:
             raise SpecbenchError("sd: gamma must be >= 1")
         self.gamma = gamma
+        self.policy = make_tree(**tree) if tree else None  # None: the chain of gamma tokens (Algorithm 1)
         if model_path:
             try:
                 self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=target.dtype).to(target.device)
@@ -115,6 +122,8 @@ class IndependentDrafter(TrainableDrafter):
 
     def propose(self, state: TargetState) -> DraftTree:
         logits = self._next_logits(state.tokens[:, self.cached :])
+        if self.policy is not None:
+            return self._grow(logits[0], state.num_tokens)
         tokens, qs = [], []
         for i in range(self.gamma):
             if state.sampling.greedy:
@@ -129,7 +138,31 @@ class IndependentDrafter(TrainableDrafter):
         probs = torch.stack(qs, dim=1) if qs else None  # [B, gamma, V]
         return DraftTree.chain(torch.stack(tokens, dim=1), probs)
 
+    def _grow(self, root_logits: torch.Tensor, verified: int) -> DraftTree:
+        """Tree drafting (MoA's "Independent" row uses EAGLE-2's tree, papers/002 Sec. 4): the policy grows the tree
+        in the draft model's own cache, each expanded node attending to the verified tokens, its ancestors and itself;
+        the drafted entries are cropped off before verification. Drafts are top-k choices (q = 1): lossless at any T."""
+        book = GrowingTree()
+        device = root_logits.device
+
+        @torch.inference_mode()
+        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
+            first = self.cache.get_seq_length()
+            book.add(nodes, parents, first)
+            pos = torch.tensor([[verified - 1 + book.depth[v] for v in nodes]], device=device)  # root at verified-1
+            dtype = self.model.get_output_embeddings().weight.dtype
+            mask = draft_mask(verified, book.rows(nodes), first + len(nodes), dtype, device)
+            return self.model(input_ids=torch.tensor([tokens], device=device), past_key_values=self.cache,
+                              position_ids=pos, attention_mask=mask, use_cache=True).logits[0]  # [n, V]
+
+        grown = self.policy.grow(root_logits, expand)
+        self.cache.crop(verified - self.cache.get_seq_length())
+        return DraftTree(tokens=torch.tensor([grown.tokens], device=device),
+                         parents=torch.tensor([grown.parents], device=device))
+
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        if self.policy is not None:
+            return  # the cache holds the verified tokens up to the old root; the new ones are fed at the next propose
         # cache = verified tokens before this step + drafts x_1..x_{gamma-1}; keep the accepted ones
         before = state.num_tokens - len(result.emitted)
         keep = before + min(result.accept_length, self.gamma - 1)

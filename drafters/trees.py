@@ -30,6 +30,41 @@ class Grown:
     parents: list[int]  # [N], -1 = root
 
 
+def draft_mask(prefix: int, slots: list[list[int]], total: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask for new draft rows: every row sees the verified prefix and the cache slots it lists. [1,1,R,total]"""
+    m = torch.full((1, 1, len(slots), total), torch.finfo(dtype).min, dtype=dtype, device=device)
+    m[..., :prefix] = 0
+    for r, cols in enumerate(slots):
+        m[0, 0, r, cols] = 0
+    return m
+
+
+class GrowingTree:
+    """What a drafter with its own KV cache tracks while a policy grows a tree in it: each expanded node's parent,
+    depth and cache slot (the rows of one `expand` call are appended to the cache together, from slot `first`)."""
+
+    def __init__(self):
+        self.parent: dict[int, int] = {}
+        self.depth: dict[int, int] = {-1: 0}
+        self.slot: dict[int, int] = {}
+
+    def add(self, nodes: list[int], parents: list[int], first: int) -> None:
+        for j, (node, par) in enumerate(zip(nodes, parents)):
+            self.parent[node], self.depth[node], self.slot[node] = par, self.depth[par] + 1, first + j
+
+    def lineage(self, node: int) -> list[int]:
+        """The node and its drafted ancestors, deepest first (the root, -1, excluded)."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parent[node]
+        return out
+
+    def rows(self, nodes: list[int]) -> list[list[int]]:
+        """Per node, the cache slots its row attends to besides the verified prefix: itself and its ancestors."""
+        return [[self.slot[a] for a in self.lineage(v)] for v in nodes]
+
+
 def sorted_paths(paths: list[list[int]], max_depth: int | None = None) -> tuple[list[list[int]], list[int]]:
     """Sort top-rank paths by (length, ranks); return them with each one's parent index. Every prefix must exist."""
     paths = sorted((list(p) for p in paths), key=lambda p: (len(p), p))

@@ -71,9 +71,9 @@ TABLES = {
                            ("tau", "spu"), (0.0, 1.0), mean=True),
                      router_table("mtbench", "humaneval", "gsm8k")],
     "train_check": [Table("check", "The training pipeline's drafters on a question file (dataset=jsonl), T=0",
-                          ("none", "sd", "medusa"), ("jsonl",), ("speed", "spu", "tau", "a0", "a1", "a2", "a3"))],
+                          ("none", "sd", "sd_tree", "medusa"), ("jsonl",), ("speed", "spu", "tau", "a0", "a1", "a2", "a3"))],
     "moa_table2": [Table("table2", "Speedup and τ on the Spec-Bench categories (papers/002 Table 2)",
-                         ("eagle2", "moa", "moa_tli1", "sd"),
+                         ("eagle2", "moa", "moa_tli1", "sd", "sd_tree"),
                          ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"), mean=True)],
 }
 

@@ -88,6 +88,8 @@ DRAFTERS = {
     "medusa-static-tree": lambda t: seeded(MedusaDrafter, t, module={"num_heads": 2},
                                            tree=[[0], [1], [0, 0], [0, 1], [1, 0]]),
     "sd-sampling": lambda t: IndependentDrafter(t, gamma=3, module={"init_layers": [0, 1, 2]}),
+    "sd-dynamic-tree": lambda t: IndependentDrafter(t, module={"init_layers": [0, 1, 2]},
+                                                    tree={"kind": "dynamic", "depth": 3, "topk": 3, "total_tokens": 8}),
     "pld-deterministic": lambda t: PromptLookup(num_pred_tokens=4, max_ngram=2),
     "tree-iid-siblings": lambda t: RandomTreeDrafter(V, seed=5, sampling=True, max_depth=3, width=3),
     "tree-deterministic": lambda t: RandomTreeDrafter(V, seed=6, sampling=False, max_depth=3, width=3),

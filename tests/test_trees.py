@@ -96,3 +96,50 @@ def test_tree_from_accuracies_is_prefix_closed_when_ranks_are_not_sorted():
     assert paths_from_accuracies(acc, 3) == [[1], [1, 0], [0]]
     with pytest.raises(SpecbenchError, match="nodes >= 1"):
         paths_from_accuracies(acc, 0)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_sd_tree_rows_equal_a_plain_forward(kind):
+    """The independent draft model growing a tree in its own cache (tree attention over drafted entries): every
+    expanded node's next-token logits equal the model's plain forward over the verified tokens and the node's path,
+    and the drafted entries are cropped off afterwards. Over two proposals, so the second starts from a used cache."""
+    from drafters.sd import IndependentDrafter
+    from drafters.trees import GrowingTree
+    from specbench.types import TargetState
+    from tests.helpers import tiny_target
+
+    target = tiny_target(scale=5.0)
+    tree = ({"kind": "dynamic", "depth": 4, "topk": 3, "total_tokens": 10} if kind == "dynamic" else
+            {"kind": "static", "paths": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]})
+    torch.manual_seed(1)
+    drafter = IndependentDrafter(target, tree=tree, module={"init_layers": [0, 2, -1]})
+    seen = []
+
+    class Recording:  # the drafter's policy, with every expand call and its logits recorded
+        def __init__(self, policy):
+            self.policy = policy
+
+        def grow(self, root_logits, expand):
+            def rec(nodes, tokens, parents):
+                logits = expand(nodes, tokens, parents)
+                seen.append((nodes, tokens, parents, logits.clone()))
+                return logits
+            return self.policy.grow(root_logits, rec)
+
+    drafter.policy = Recording(drafter.policy)
+    tokens = torch.tensor([[5, 17, 33, 17, 33, 9, 2, 40]])
+    drafter.prefill(TargetState(tokens=tokens, hidden=None, kv=None))
+    for extra in ([], [7, 8, 9]):
+        tokens = torch.cat([tokens, torch.tensor([extra], dtype=torch.long)], 1)
+        seen.clear()
+        drafter.propose(TargetState(tokens=tokens, hidden=None, kv=None))
+        assert seen and drafter.cache.get_seq_length() == tokens.shape[1]
+        book, tok = GrowingTree(), {}
+        for nodes, toks, parents, logits in seen:
+            book.add(nodes, parents, 0)
+            tok.update(zip(nodes, toks))
+            for node, row in zip(nodes, logits):
+                path = [tok[a] for a in reversed(book.lineage(node))]
+                ids = torch.cat([tokens, torch.tensor([path])], 1)
+                ref = drafter.model(input_ids=ids).logits[0, -1]
+                torch.testing.assert_close(row, ref, rtol=1e-4, atol=1e-4)
