@@ -60,8 +60,8 @@ def router_table(*datasets: str) -> Table:
 
 TABLES = {
     "beagle_table1": [Table("table1", "Speed (tokens/s), speedup, τ and peak memory at T=0 (papers/000 Table 1)",
-                            ("none", "pld", "sd", "medusa", "eagle", "eagle2", "hass", "coral", "coral_router", "beagle",
-                             "moa", "moa_tli1"),
+                            ("none", "pld", "sd", "sd_tree", "medusa", "eagle", "eagle2", "hass", "coral", "coral_router",
+                             "beagle", "moa", "moa_tli1"),
                             ("mtbench", "gsm8k", "cnndm"), ("speed", "spu", "tau", "mem")),
                       router_table("mtbench", "gsm8k", "cnndm")],
     "eagle_alpha": [Table("alpha", "Chain drafting: τ and n-α (papers/004 Tables 1-2)", ("eagle", "sd", "pld"),
