@@ -20,7 +20,9 @@ def git_commit() -> dict[str, str | bool | None]:
         except (OSError, subprocess.CalledProcessError):
             return None
 
-    status = git("status", "--porcelain", "--untracked-files=no")
+    # results/ holds outputs (records, regenerated tables): a table rewritten by the last `make figures` is not a
+    # change to the code that made a run
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 

@@ -125,3 +125,27 @@ def test_missing_package_names_the_pip_install():
 
     with pytest.raises(SpecbenchError, match="pip install --no-deps not-a-real-pkg"):
         package_file("not_a_real_pkg", "x.json")
+
+
+def test_dirty_flag_ignores_regenerated_results(tmp_path, monkeypatch):
+    """A run header's `dirty` is about the code: a tracked table under results/ rewritten by `make figures` does not
+    set it, a tracked source file edited does."""
+    import subprocess
+
+    from specbench import envinfo
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "t.md").write_text("a\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    monkeypatch.setattr(envinfo, "REPO", tmp_path)
+    assert envinfo.git_commit()["dirty"] is False
+    (tmp_path / "results" / "t.md").write_text("b\n")
+    assert envinfo.git_commit()["dirty"] is False
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert envinfo.git_commit()["dirty"] is True
