@@ -38,7 +38,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.base import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
-from drafters.trees import make_tree
+from drafters.trees import GrowingTree, make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -229,9 +229,7 @@ class BeagleDrafter(TrainableDrafter):
         self._append(self.pending, torch.arange(self.verified, self.verified + n, device=self.device)[None])
         self.verified += n
         root_pos = self.verified  # the root token's position
-        slot: dict[int, int] = {}  # node (-1 = root) -> its predicted state's cache entry
-        parent_of: dict[int, int] = {}
-        depth: dict[int, int] = {-1: 0}
+        book = GrowingTree()  # slots: the predicted states' cache entries ("concate" only)
 
         def run(tokens: list[int], rows: list[list[int]], pos: list[int]) -> torch.Tensor:
             total = self.k.shape[2]
@@ -249,25 +247,13 @@ class BeagleDrafter(TrainableDrafter):
             return h[0], None
 
         h_root, first = run([int(state.tokens[0, -1])], [[]], [root_pos])
-        if first is not None:
-            slot[-1] = first
+        root_slot = [first] if first is not None else []
 
         def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            rows = []
-            for node, par in zip(nodes, parents):
-                parent_of[node], depth[node] = par, depth[par] + 1
-                anc, a = [], par  # strictly earlier: the node's ancestors and the root, never itself
-                while True:
-                    if a in slot:
-                        anc.append(slot[a])
-                    if a < 0:
-                        break
-                    a = parent_of[a]
-                rows.append(anc)
-            h, first = run(tokens, rows, [root_pos + depth[v] for v in nodes])
-            if first is not None:
-                for j, node in enumerate(nodes):
-                    slot[node] = first + j
+            book.add(nodes, parents, self.k.shape[2])
+            # strictly earlier: a node's drafted ancestors and the root, never itself (none without "concate")
+            rows = [[book.slot[a] for a in book.lineage(par)] + root_slot if self.concat else [] for par in parents]
+            h, _ = run(tokens, rows, [root_pos + book.depth[v] for v in nodes])
             return self._logits(h)
 
         grown = self.policy.grow(self._logits(h_root[0]), expand)
