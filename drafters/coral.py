@@ -2,15 +2,18 @@
 and the LM-head router trained in a second stage on the frozen CORAL head (`coral_router`). EAGLE head and
 EAGLE-2 tree at decoding time, like HASS.
 
-CSRA (Sec. 3.1, Eq. 2-3). The n harmonized steps predict, at every loss position i, features F^1_i .. F^n_i of the
-same next token; with the target's feature f_i they are n + 1 views of one sample. Features are L2-normalised and
-    L_CSRA = mean over anchors z of  -log( sum_{z+ in P(z)} exp(z.z+/tau) / sum_{z' in Z \\ {z}} exp(z.z'/tau) ),
-anchors = every step's output, P(z) = the other views of its position, Z = all views of all positions in the batch
-(targets included), tau = 0.07 (App. A). Total loss per step: w_reg L_reg + w_cls L_cls (+ HASS's Top-K term),
-w_reg = 0.5 (half of EAGLE's), w_cls = 0.1 (EAGLE's), averaged over steps, plus w_csra L_CSRA. App. A sets w_csra
-per target so that w_csra L_CSRA ~ w_reg L_reg; conf/drafter/coral.yaml records the value measured that way here.
-Our choice where the paper's equation did not survive the text: CSRA is computed once over all n steps (every step's
-outputs are anchors), which sums the per-step terms of Eq. 2.
+CSRA (Sec. 3.1, Eq. 2-3). Training runs HASS's n harmonized steps as the authors' HASS code does (each step its own
+graph, the previous steps' predictions detached, backpropagated step by step, step losses summed). At step j the
+output features F^j at every loss position i are the anchors; the features that exist at step j are the outputs of
+steps 1..j and the target's f (Z, "all features along with the targets"); an anchor's positive views P(z) are the j
+other views of its own position (F^1_i .. F^{j-1}_i and f_i); every other feature in Z is a negative. With
+L2-normalised features and cosine similarity,
+    L_CSRA^j = mean over anchors z of  -log( sum_{z+ in P(z)} exp(z.z+/tau) / sum_{z' in Z \\ {z}} exp(z.z'/tau) ),
+tau = 0.07 (App. A). Eq. 3, per step: L^j = w_reg L_reg + w_cls L_cls + w_csra L_CSRA^j with w_reg = 0.5 (half of
+EAGLE's), w_cls = 0.1 (EAGLE's); no HASS Top-K term (Eq. 3 has none). App. A sets w_csra per target so that
+w_csra L_CSRA ~ w_reg L_reg; conf/drafter/coral.yaml records the value measured that way here
+(scripts/csra_weight.py). The earlier steps' views enter step j's loss detached (their graphs were already
+backpropagated), so CSRA's gradient reaches step j's anchors only.
 
 LM-head router (Sec. 3.3, Eq. 7-9). The vocabulary is split into N equal contiguous groups (token ids, so BPE's
 frequent low ids share groups; App. D); a router r = softmax(W h) [N] (Eq. 7: one linear layer on the draft
@@ -22,6 +25,8 @@ Drafting stays lossless: the router only changes which tokens are proposed; veri
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,19 +35,17 @@ from drafters.distill import teacher_probs
 from drafters.hass import HassDrafter, harmonized_inputs, harmonized_steps, next_step_input
 
 
-def csra_loss(preds: list[torch.Tensor], true: torch.Tensor, temperature: float) -> torch.Tensor:
-    """InfoNCE across steps. preds: n tensors [M, H] (step outputs at the same M positions), true [M, H]."""
-    views = torch.stack([*preds, true]).float()  # [n+1, M, H]
-    v, m, _ = views.shape
-    z = F.normalize(views.reshape(v * m, -1), dim=-1)
-    sim = (z[: (v - 1) * m] @ z.T) / temperature  # anchors = the step outputs, [(v-1)M, vM]
-    rows = torch.arange((v - 1) * m, device=z.device)
-    sim[rows, rows] = float("-inf")  # a view is not its own negative
-    same = (rows % m)[:, None] == (torch.arange(v * m, device=z.device) % m)[None]  # positives: same position
-    same[rows, rows] = False
-    log_all = sim.logsumexp(-1)
-    log_pos = sim.masked_fill(~same, float("-inf")).logsumexp(-1)
-    return (log_all - log_pos).mean()
+def csra_loss(anchors: torch.Tensor, views: list[torch.Tensor], temperature: float) -> torch.Tensor:
+    """Eq. 2 at one step. anchors [M, H]: the current step's outputs at M loss positions; views: the other features
+    that exist at this step, each [M, H] at the same positions (the earlier steps' outputs, the targets)."""
+    z = F.normalize(torch.cat([anchors, *views]).float(), dim=-1)  # Z: [(1 + len(views)) M, H], anchors first
+    m = anchors.shape[0]
+    sim = (z[:m] @ z.T) / temperature  # [M, (1 + len(views)) M]
+    rows = torch.arange(m, device=z.device)
+    sim[rows, rows] = float("-inf")  # z is not in Z \ {z}
+    positive = (torch.arange(z.shape[0], device=z.device) % m)[None] == rows[:, None]  # same position, another view
+    positive[rows, rows] = False
+    return (sim.logsumexp(-1) - sim.masked_fill(~positive, float("-inf")).logsumexp(-1)).mean()
 
 
 class CoralDrafter(HassDrafter):
@@ -50,19 +53,25 @@ class CoralDrafter(HassDrafter):
     w_reg = 0.5  # App. A: half of EAGLE's regression weight
 
     @classmethod
-    def build_module(cls, target, steps: int = 3, topk: int = 10, topk_weight: float = 0.5,
-                     csra_weight: float = 0.06, temperature: float = 0.07):
-        head = super().build_module(target, steps=steps, topk=topk, topk_weight=topk_weight)
+    def build_module(cls, target, steps: int = 3, csra_weight: float = 0.06, temperature: float = 0.07,
+                     **eagle_options):
+        head = super().build_module(target, steps=steps, topk_weight=0.0, **eagle_options)  # Eq. 3: no Top-K term
         head.csra_weight, head.temperature = csra_weight, temperature
         return head
 
     @classmethod
-    def training_loss(cls, module, batch, target):
+    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
+        del epoch  # one objective throughout
         head = getattr(module, "module", module)
-        loss, parts, preds, true = cls.step_losses(module, batch, target)
-        csra = csra_loss(preds, true, head.temperature)
-        parts["csra"] = csra.item()
-        return loss + head.csra_weight * csra, parts
+        emb, mask_tok, true, p = cls.step_targets(batch, target)
+        earlier: list[torch.Tensor] = []  # F^1 .. F^{j-1} at the loss positions, detached
+        steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], head.steps)
+        for j, pred_all in enumerate(steps, 1):
+            pred = pred_all[:, :-1][mask_tok]  # [M, H]
+            loss, parts = cls.step_loss(head, pred, true, p, target, topk_weight=0.0)
+            csra = csra_loss(pred, [*earlier, true], head.temperature)
+            earlier.append(pred.detach())
+            yield loss + head.csra_weight * csra, {f"reg{j}": parts["reg"], f"csra{j}": csra.item()}
 
 
 class LMHeadRouter(nn.Module):
@@ -126,6 +135,11 @@ class CoralRouterDrafter(CoralDrafter):
     @staticmethod
     def draft_logits(head, lm_head, f):
         return head.router.log_probs(lm_head.weight, f)
+
+    @classmethod
+    def training_steps(cls, module, batch, target, epoch: int):
+        del epoch  # stage 2 is one graph: the router's loss over the frozen head's n steps
+        yield cls.training_loss(module, batch, target)
 
     @classmethod
     def training_loss(cls, module, batch, target):

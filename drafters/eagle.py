@@ -6,8 +6,14 @@ architecture (its own positions / attention / MLP), no final norm: f^ goes strai
 as the target's own feature does. Embedding and LM head are the target's (shared, frozen, not saved).
 Drafting is feature-level autoregression: a drafted node's input pair is (its parent's predicted feature, its token).
 Training (Sec. 4.2): L = SmoothL1(f_{i+1}, f^_{i+1}) + w_cls * CE(p_{i+2}, p^_{i+2}) with w_cls = 0.1 and
-p = softmax(LMHead(f)); uniform noise U(-0.1, 0.1) on the input features (conf: optim.noise).
-Deviation: the decoder layer keeps its input RMSNorm (EAGLE's code skips it for its single layer).
+p = softmax(LMHead(f)); uniform noise U(-0.1, 0.1) on the input features (conf: optim.noise); gradients clipped by
+value at 0.5 (the authors' `clip_grad_value_`, conf/train: grad_clip_mode).
+
+The authors' architecture (SafeAILab/EAGLE `cnets.py`, `Model` / `LlamaDecoderLayer(index=0)`), which the published
+heads (yuhuili/EAGLE-*, HArmonizedSS/HASS-*) need: layer 0 has **no input RMSNorm** (an identity here, not a norm of
+weight 1: `input_norm=False`), `fc` = Linear(2H, H) with a bias unless the checkpoint's config says `bias: false`, the
+decoder's own `rms_norm_eps` (recorded in the module options; default the target's). The concatenation order is
+(embedding, feature), as theirs.
 
 The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entries are appended while a tree grows
 (tree attention over the draft's own cache) and cropped off before verification; after verification the new pairs
@@ -41,13 +47,15 @@ def one_layer_decoder(target, **overrides) -> nn.Module:
 
 
 class EagleHead(nn.Module):
-    def __init__(self, target):
+    def __init__(self, target, bias: bool = True, input_norm: bool = False, rms_norm_eps: float | None = None):
         super().__init__()
         h = target.hidden_size
-        self.fc = nn.Linear(2 * h, h)
+        self.fc = nn.Linear(2 * h, h, bias=bias)
         # inputs are FC outputs (tokens are embedded with the target's table); f^ feeds the LM head directly, like the
         # target's (already normed) feature
-        self.body = one_layer_decoder(target)
+        self.body = one_layer_decoder(target, **({} if rms_norm_eps is None else {"rms_norm_eps": rms_norm_eps}))
+        if not input_norm:  # the authors' layer 0 skips its input norm: FC's output enters attention as it is
+            self.body.layers[0].input_layernorm = nn.Identity()
         self.router: nn.Module | None = None  # CORAL's LM-head router (drafters/coral.py), attached in its stage 2
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, cache: DynamicCache | None = None,
@@ -76,8 +84,9 @@ class EagleDrafter(TrainableDrafter):
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
-    def build_module(cls, target) -> EagleHead:
-        return EagleHead(target).to(target.device)
+    def build_module(cls, target, bias: bool = True, input_norm: bool = False,
+                     rms_norm_eps: float | None = None) -> EagleHead:
+        return EagleHead(target, bias=bias, input_norm=input_norm, rms_norm_eps=rms_norm_eps).to(target.device)
 
     @classmethod
     def training_loss(cls, module, batch, target):

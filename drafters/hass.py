@@ -7,12 +7,21 @@ x^j_i = FC(e(t_{i+1}), F^{j-1}_i), and the query at i sees what it would see as 
 rooted at p = i - j + 1: target-feature keys x^1 at positions <= p, and the drafted keys x^k at position p + k - 1
 for k = 2..j (itself included). With a stock decoder layer this is one forward over the concatenated steps
 [x^1; ...; x^j] (positions repeated) with that 4D mask; outputs of earlier steps are recomputed identically.
-Every step is trained with EAGLE's loss plus harmonized objective distillation (Top-K loss):
-    L_topK = - sum_{x in top-K of p_target} p_target(x) log q_draft(x),  K = 10, weight 0.5 (slides' ablation optimum).
-The step losses are averaged. Gradients flow through the previous steps' predictions, so memory grows with n
-(what Beagle's training-memory comparison measures).
+Training as the authors' `train/main_hass.py` does it: step j's inputs take the previous steps' predictions
+*detached*, step j is its own graph and is backpropagated before step j+1 is built (so peak memory is one step's
+graph, as Beagle's training-memory comparison measures), and the step losses are summed (each backward adds its
+gradient). Step j's loss is EAGLE's (w_reg = 1, w_cls = 0.1) plus harmonized objective distillation:
+    L_topK = - sum_{x in top-K of p_target} p_target(x) log q_draft(x),  K = 10 (papers/001: "K = 10"), weight 1.0.
+Schedule, the authors' `train.sh` mapped onto our budget: they train 40 epochs without the Top-K term (`--topk_w 0`)
+and then 10 more with it (`--topk_w 1`, from the first stage's weights); here the term is on from epoch
+`topk_from_epoch` (default 1: the second of the budget's 2 epochs, as Beagle's late stage switches at epoch 1).
+Deviation: no lr restart at the second stage (theirs 3e-5 then 1e-5): one cosine schedule over the whole budget.
+The concatenated-steps forward also recomputes the earlier steps' outputs (unused): the gradient is the authors'
+(the earlier steps' keys/values come from the same detached inputs), at about twice the compute of step j alone.
 """
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -53,51 +62,71 @@ def next_step_input(feat0: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
     return torch.cat([feat0[:, :1], pred[:, :-1]], dim=1)
 
 
-def harmonized_steps(module, emb: torch.Tensor, feat0: torch.Tensor, pad: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """emb = e(t_{i+1}) [B, n, H], feat0 = f_i [B, n, H], pad [B, n] (1 = real) -> F^j_{i+1} for j = 1..steps."""
+def harmonized_steps(module, emb: torch.Tensor, feat0: torch.Tensor, pad: torch.Tensor, steps: int,
+                     detach: bool = True) -> Iterator[torch.Tensor]:
+    """emb = e(t_{i+1}) [B, n, H], feat0 = f_i [B, n, H], pad [B, n] (1 = real) -> F^j_{i+1} [B, n, H] for j = 1..steps,
+    one at a time: each step's forward is built when the caller asks for it (after it backpropagated the previous one).
+    Step j+1 reads step j's prediction detached (the authors' `q_hidden_states.detach()`)."""
     n = emb.shape[1]
-    feats, preds = [feat0], []
+    feats = [feat0]
     for j in range(1, steps + 1):
         e, f, pos, mask = harmonized_inputs(emb, feats, pad)
-        preds.append(module(e, f, position_ids=pos, attention_mask=mask)[:, (j - 1) * n :])
-        feats.append(next_step_input(feat0, preds[-1]))
-    return preds
+        pred = module(e, f, position_ids=pos, attention_mask=mask)[:, (j - 1) * n :]
+        nxt = next_step_input(feat0, pred)
+        feats.append(nxt.detach() if detach else nxt)
+        yield pred
 
 
 class HassDrafter(EagleDrafter):
     name = "hass"
-    w_reg = 1.0  # EAGLE's weights; CORAL halves w_reg
+    w_reg = 1.0  # EAGLE's weights (the authors' v_w = 1.0, p_w = 0.1); CORAL halves w_reg
 
     @classmethod
-    def build_module(cls, target, steps: int = 3, topk: int = 10, topk_weight: float = 0.5):
-        head = super().build_module(target)
-        head.steps, head.topk, head.topk_weight = steps, topk, topk_weight
+    def build_module(cls, target, steps: int = 3, topk: int = 10, topk_weight: float = 1.0, topk_from_epoch: int = 1,
+                     **eagle_options):
+        head = super().build_module(target, **eagle_options)
+        head.steps, head.topk, head.topk_weight, head.topk_from_epoch = steps, topk, topk_weight, topk_from_epoch
         return head
 
     @classmethod
-    def step_losses(cls, module, batch, target):
-        """Per-step EAGLE + Top-K losses, averaged over the n steps. Returns (loss, parts, masked predictions
-        [F^j at loss positions, each [M, H]], the targets f [M, H])."""
-        head = getattr(module, "module", module)
-        emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1}) [B, n, H]
+    def step_targets(cls, batch, target):
+        """(e(t_{i+1}) [B, n, H], loss positions [B, n-1], targets f_{i+1} [M, H], the target's law p [M, V])."""
+        emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1})
         mask_tok = batch.loss_mask[:, 2:].bool()  # F_{i+1} -> predicts t_{i+2}
-        true = batch.hidden[:, 1:-1][mask_tok]  # [M, H]
-        p = teacher_probs(target, true)  # [M, V]
-        top_p, top_idx = p.topk(head.topk, dim=-1)
-        loss, parts, preds = 0.0, {}, []
+        true = batch.hidden[:, 1:-1][mask_tok]
+        return emb, mask_tok, true, teacher_probs(target, true)
+
+    @classmethod
+    def step_loss(cls, head, pred: torch.Tensor, true: torch.Tensor, p: torch.Tensor, target, topk_weight: float):
+        """One step's w_reg L_reg + w_cls L_cls (+ topk_weight L_topK), the LM head applied at loss positions only.
+        pred, true [M, H]; p [M, V]."""
+        reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
+        logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
+        loss = cls.w_reg * reg + cls.w_cls * soft_ce(p, logq)
+        parts = {"reg": reg.item()}
+        if topk_weight:
+            top_p, top_idx = p.topk(head.topk, dim=-1)
+            topk_loss = -(top_p * logq.gather(-1, top_idx)).sum(-1).mean()
+            loss = loss + topk_weight * topk_loss
+            parts["top"] = topk_loss.item()
+        return loss, parts
+
+    @classmethod
+    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
+        """The n harmonized steps as n graphs, each backpropagated by the trainer before the next is built."""
+        head = getattr(module, "module", module)
+        emb, mask_tok, true, p = cls.step_targets(batch, target)
+        w_topk = head.topk_weight if epoch >= head.topk_from_epoch else 0.0
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], head.steps)
         for j, pred_all in enumerate(steps, 1):
-            pred = pred_all[:, :-1][mask_tok]
-            preds.append(pred)
-            reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
-            logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
-            cls_loss = soft_ce(p, logq)
-            topk_loss = -(top_p * logq.gather(-1, top_idx)).sum(-1).mean()
-            loss = loss + (cls.w_reg * reg + cls.w_cls * cls_loss + head.topk_weight * topk_loss) / head.steps
-            parts[f"reg{j}"], parts[f"top{j}"] = reg.item(), topk_loss.item()
-        return loss, parts, preds, true
+            loss, parts = cls.step_loss(head, pred_all[:, :-1][mask_tok], true, p, target, w_topk)
+            yield loss, {f"{k}{j}": v for k, v in parts.items()}
 
     @classmethod
     def training_loss(cls, module, batch, target):
-        loss, parts, _, _ = cls.step_losses(module, batch, target)
+        """The summed step losses as one number (for tests and tools; training backpropagates step by step)."""
+        loss, parts = 0.0, {}
+        head = getattr(module, "module", module)
+        for piece, part in cls.training_steps(module, batch, target, epoch=head.topk_from_epoch):
+            loss, parts = loss + piece, {**parts, **part}
         return loss, parts

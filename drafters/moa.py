@@ -156,9 +156,10 @@ class MoADrafter(TrainableDrafter):
         return k.reshape(b, t, nkv, -1).transpose(1, 2), v.reshape(b, t, nkv, -1).transpose(1, 2)
 
     @classmethod
-    def predict(cls, net, target, ids, kv, pre_pad, starts):
+    def predict(cls, net, target, ids, kv, pre_pad, starts, rows: torch.Tensor | None = None):
         """Teacher-forced T-step-bounded prediction: ids [B, T], kv [B, T, L, 2E_kv], pre_pad [B, T] (1 = real),
-        starts [T] = n(q) -> (o^ [B, T, H], logits [B, T, V])."""
+        starts [T] = n(q) -> (o^ [B, T, H], logits [B, T, V]); with `rows` [B, T] bool the 49k-row LM head runs only
+        there (logits [M, V]: training needs them at loss positions only)."""
         b, t = ids.shape
         dev = ids.device
         idx = torch.arange(t, device=dev)
@@ -178,6 +179,8 @@ class MoADrafter(TrainableDrafter):
                 k, v = cls._layer_kv(kv, first + i, nkv)
                 x, _, _ = target_layer(layer, target.decoder.rotary_emb, x, pos, k, v, allowed)
         x = target.decoder.norm(x) if head.tli else x
+        if rows is not None:
+            x = x[rows]
         return out, target.lm_head(x.to(target.dtype)).float()
 
     @classmethod
@@ -185,13 +188,13 @@ class MoADrafter(TrainableDrafter):
         head = getattr(module, "module", module)
         t = batch.input_ids.shape[1]
         starts = bounded_starts(t, head.block_min, head.block_max, None, batch.input_ids.device)
-        out, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts)
         rows = torch.zeros_like(batch.attn_mask, dtype=torch.bool)
         rows[:, :-1] = batch.loss_mask[:, 1:].bool()  # the query at q predicts t_{q+1}
         rows &= (starts >= 0)[None]
+        out, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts, rows)
         true = batch.hidden if head.tli == 0 else batch.pre[:, :, head.tli - 1]
         p = teacher_probs(target, batch.hidden[rows])  # [M, V]
-        logq = logits[rows].log_softmax(-1)
+        logq = logits.log_softmax(-1)
         kl_loss = kl(p, logq)
         reg = F.smooth_l1_loss(out[rows], true[rows], reduction="none").mean(-1).mean()
         return cls.lambda_kl * kl_loss + cls.lambda_reg * reg, {"kl": kl_loss.item(), "reg": reg.item(),

@@ -7,7 +7,7 @@ import torch, random
 from hydra import compose, initialize_config_dir
 from specbench.config import register_schema
 from specbench.train import Trainer, prepare_features, collate, add_noise
-from drafters.coral import CoralDrafter, csra_loss
+from drafters.coral import CoralDrafter
 from specbench.checkpoints import load_checkpoint
 register_schema()
 with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
@@ -17,7 +17,7 @@ train_set, _ = prepare_features(tr.target, tr.tc, tr.model_cfg, kv=False, rank=0
 idx = train_set.index()
 for label, ckpt in [("untrained", None), ("eagle-trained", "weights/smollm2-135m/eagle")]:
     torch.manual_seed(0)
-    head = CoralDrafter.build_module(tr.target, steps=3)
+    head = CoralDrafter.build_module(tr.target, steps=3, csra_weight=0.0)
     if ckpt:
         load_checkpoint(ckpt, head, tr.target, "eagle")
     regs, cs = [], []
@@ -25,8 +25,8 @@ for label, ckpt in [("untrained", None), ("eagle-trained", "weights/smollm2-135m
         for i in range(0, 16, 2):
             b = collate([train_set.load(*idx[j]) for j in (i, i + 1)], tr.target.device)
             add_noise(b, "uniform", 0.1, torch.Generator().manual_seed(i))
-            loss, parts, preds, true = CoralDrafter.step_losses(head, b, tr.target)
-            regs.append(sum(parts[f"reg{j}"] for j in (1, 2, 3)) / 3)
-            cs.append(csra_loss(preds, true, 0.07).item())
+            parts = {k: v for _, part in CoralDrafter.training_steps(head, b, tr.target, epoch=0) for k, v in part.items()}
+            regs.append(sum(parts[f"reg{j}"] for j in (1, 2, 3)) / 3)  # per step, as Eq. 3 weighs them
+            cs.append(sum(parts[f"csra{j}"] for j in (1, 2, 3)) / 3)
     r, c = sum(regs) / len(regs), sum(cs) / len(cs)
     print(f"{label}: L_reg {r:.4f}  L_csra {c:.4f}  w_csra for 0.5*L_reg = {0.5 * r / c:.4f}")

@@ -75,6 +75,9 @@ class TrainConfig:
     # after warm-up: constant, or cosine = decay to 0 over the planned steps (epochs x batches, or max_steps)
     lr_schedule: str = "constant"
     grad_clip: float = 0.5
+    # value = clamp every gradient element to +-grad_clip (EAGLE's and HASS's `clip_grad_value_`); norm = rescale the
+    # whole gradient to norm <= grad_clip (torch's clip_grad_norm_; what the budgets before 2026-11 used)
+    grad_clip_mode: str = "norm"
     noise: str = "none"  # none | uniform (EAGLE: U(-s, s)) | gaussian (Beagle: N(0, s)) on the target features
     noise_scale: float = 0.0
     precision: str = "fp32"  # fp32 (TF32 matmuls on CUDA) | bf16 (autocast)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 import sys
@@ -23,7 +24,10 @@ def git_commit() -> dict[str, str | bool | None]:
     # results/ holds outputs (records, regenerated tables): a table rewritten by the last `make figures` is not a
     # change to the code that made a run
     status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+    commit = git("rev-parse", "HEAD")
+    if commit is None:  # a copy of the tree without .git (a cluster node, a GPU box): the commit it was copied from
+        return {"commit": os.environ.get("SPECBENCH_GIT_COMMIT"), "dirty": None}
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
 def cpu_name() -> str:

@@ -5,7 +5,7 @@
 2. offline target features (specbench/features.py), extracted once and reused by every drafter and epoch;
    validation data = held-out first user turns answered greedily by the target itself, so that a drafted token is
    "accepted" exactly when it equals the target's greedy token (EAGLE's n-alpha in chain mode);
-3. AdamW (betas from the budget, fused on CUDA), linear warm-up, grad clipping, optional noise on target features,
+3. AdamW (betas from the budget, fused on CUDA), linear warm-up, grad clipping (by value or norm), optional noise on target features,
    fp32/TF32 or bf16 autocast; DDP under torchrun (gloo on CPU, nccl on CUDA);
 4. after every epoch: per-position acceptance with the drafter running on its own predictions, the simulated tau,
    training tokens/s and peak memory, logged to <out>/log.jsonl; a resumable `last` checkpoint; `final` at the end.
@@ -49,7 +49,7 @@ from specbench.types import SamplingParams
 
 log = logging.getLogger("specbench.train")
 RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype"}  # may change on resume
-OPTIM_KEYS = {"lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "noise", "noise_scale"}
+OPTIM_KEYS = {"lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_clip_mode", "noise", "noise_scale"}
 
 
 @dataclass
@@ -201,6 +201,8 @@ class Trainer:
             raise SpecbenchError(f"drafter.optim may set only {', '.join(sorted(OPTIM_KEYS))}; not {', '.join(sorted(unknown))}")
         self.tc: TrainConfig = to_dataclass(TrainConfig, OmegaConf.merge(cfg.train, optim))
         lr_at(0, self.tc, 1)  # a bad lr_schedule fails here, before features or training
+        if self.tc.grad_clip_mode not in ("value", "norm"):
+            raise SpecbenchError(f"train.grad_clip_mode={self.tc.grad_clip_mode!r} is not one of value, norm")
         self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
         self.cls = get_class(cfg.drafter._target_)
         if not (isinstance(self.cls, type) and issubclass(self.cls, TrainableDrafter)):
@@ -294,7 +296,11 @@ class Trainer:
                         raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
                     piece[0].backward()
                     loss, parts = loss + piece[0].item(), {**parts, **piece[1]}
-                gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+                if tc.grad_clip_mode == "value":  # the norm is logged either way (inf: measure, do not rescale)
+                    gnorm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+                    torch.nn.utils.clip_grad_value_(params, tc.grad_clip)
+                else:
+                    gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
                 opt.step()
                 step += 1
                 tokens += batch.tokens

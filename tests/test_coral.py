@@ -11,27 +11,66 @@ from specbench.target import TargetModel
 from tests.helpers import tiny_llama
 
 
-def test_csra_matches_a_direct_sum():
+def csra_reference(steps: list[torch.Tensor], true: torch.Tensor, j: int, tau: float) -> float:
+    """Eq. 2 at step j, written out term by term: anchors F^j_i; Z = F^1..F^j and the targets; positives = the other
+    views of position i that exist at step j."""
+    views = [F.normalize(v, dim=-1) for v in (*steps[:j], true)]  # views 0..j-1 = steps 1..j, view j = targets
+    a, m = j - 1, true.shape[0]
+    total = 0.0
+    for i in range(m):
+        z = views[a][i]
+        num = sum(math.exp(float(z @ views[b][i]) / tau) for b in range(j + 1) if b != a)
+        den = sum(math.exp(float(z @ views[b][k]) / tau) for b in range(j + 1) for k in range(m) if (b, k) != (a, i))
+        total += -math.log(num / den)
+    return total / m
+
+
+@pytest.mark.parametrize("j", [1, 2, 3])
+def test_csra_at_step_j_matches_a_direct_per_step_reference(j):
     torch.manual_seed(0)
-    preds, true, tau = [torch.randn(3, 4), torch.randn(3, 4)], torch.randn(3, 4), 0.5
-    views = [F.normalize(v, dim=-1) for v in (*preds, true)]  # view v, position i
-    total, count = 0.0, 0
-    for a in range(2):  # anchors: step outputs only
-        for i in range(3):
-            z = views[a][i]
-            num = sum(math.exp(float(z @ views[b][i]) / tau) for b in range(3) if b != a)
-            den = sum(math.exp(float(z @ views[b][k]) / tau) for b in range(3) for k in range(3) if (b, k) != (a, i))
-            total += -math.log(num / den)
-            count += 1
-    assert csra_loss(preds, true, tau).item() == pytest.approx(total / count, rel=1e-5)
+    steps, true, tau = [torch.randn(4, 6) for _ in range(3)], torch.randn(4, 6), 0.5
+    got = csra_loss(steps[j - 1], [*steps[: j - 1], true], tau).item()
+    assert got == pytest.approx(csra_reference(steps, true, j, tau), rel=1e-5)
+    # a later step's outputs do not exist yet at step j: changing them changes nothing
+    steps[2] = torch.randn(4, 6)
+    if j < 3:
+        assert csra_loss(steps[j - 1], [*steps[: j - 1], true], tau).item() == pytest.approx(got, rel=1e-6)
 
 
 def test_csra_is_low_when_views_agree_and_positions_differ():
     torch.manual_seed(0)
     base = torch.randn(16, 32)
-    aligned = csra_loss([base + 0.01 * torch.randn(16, 32) for _ in range(3)], base, 0.07)
-    shuffled = csra_loss([torch.randn(16, 32) for _ in range(3)], base, 0.07)
+    aligned = csra_loss(base + 0.01 * torch.randn(16, 32), [base + 0.01 * torch.randn(16, 32), base], 0.07)
+    shuffled = csra_loss(torch.randn(16, 32), [torch.randn(16, 32), base], 0.07)
     assert aligned < 0.1 < shuffled
+
+
+def test_coral_training_is_eq3_per_step_without_a_topk_term():
+    """Each step: 0.5 L_reg + 0.1 L_cls + w_csra L_CSRA^j on its own graph; CSRA's views from earlier steps are
+    detached, so step j's CSRA gradient reaches step j's anchors only."""
+    from drafters.distill import soft_ce, teacher_probs
+    from drafters.hass import harmonized_steps
+    from specbench.train import Batch
+
+    target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
+    torch.manual_seed(0)
+    head = CoralDrafter.build_module(target, steps=3, csra_weight=0.3)
+    ids = torch.randint(0, 64, (2, 10))
+    hidden = target.prefill(ids, target.new_cache()).hidden
+    ones = torch.ones(2, 10, dtype=torch.long)
+    batch = Batch(ids, ones, ones, hidden, hidden)
+    pieces = list(CoralDrafter.training_steps(head, batch, target, epoch=5))
+    assert len(pieces) == 3 and all(not any(k.startswith("top") for k in parts) for _, parts in pieces)
+    with torch.no_grad():  # the same numbers written out
+        emb = target.decoder.embed_tokens(ids[:, 1:])
+        preds = [p[:, :-1].reshape(-1, 32) for p in harmonized_steps(head, emb, hidden[:, :-1], ones[:, 1:], 3)]
+        true = hidden[:, 1:-1].reshape(-1, 32)
+        p = teacher_probs(target, true)
+        for j in (1, 2, 3):
+            reg = F.smooth_l1_loss(preds[j - 1], true, reduction="none").mean(-1).mean()
+            cls_ = soft_ce(p, target.lm_head(preds[j - 1]).log_softmax(-1))
+            want = 0.5 * reg + 0.1 * cls_ + 0.3 * csra_reference(preds, true, j, 0.07)
+            assert pieces[j - 1][0].item() == pytest.approx(want.item(), rel=1e-4)
 
 
 def test_router_distribution_is_eq8_on_active_groups():

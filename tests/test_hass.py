@@ -21,7 +21,7 @@ def test_training_steps_equal_decoding_with_own_features():
     emb = target.decoder.embed_tokens(ids[:, 1:])  # e(t_{i+1}), i = 0..10
     n = emb.shape[1]
     with torch.no_grad():
-        preds = harmonized_steps(head, emb, hidden[:, :-1], torch.ones(1, n, dtype=torch.long), 3)
+        preds = list(harmonized_steps(head, emb, hidden[:, :-1], torch.ones(1, n, dtype=torch.long), 3))
         for j in (1, 2, 3):
             for root in range(0, n - j + 1):
                 cache = DynamicCache(config=head.body.config)
@@ -31,3 +31,34 @@ def test_training_steps_equal_decoding_with_own_features():
                     f = head(emb[:, root + k : root + k + 1], f, cache, position_ids=pos)
                 i = root + j - 1  # the step-j query position
                 torch.testing.assert_close(preds[j - 1][:, i], f[:, 0], atol=1e-5, rtol=1e-4)
+
+
+def test_each_step_is_its_own_graph_on_detached_inputs_and_losses_sum():
+    """The authors' main_hass.py: step j reads step j-1's prediction detached, is backpropagated on its own, and the
+    step losses add up; the Top-K term is off before `topk_from_epoch` and on from it."""
+    from specbench.train import Batch
+
+    torch.manual_seed(0)
+    target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
+    head = HassDrafter.build_module(target, steps=3, topk=4, topk_from_epoch=1).train()
+    ids = torch.randint(0, 64, (2, 10))
+    hidden = target.prefill(ids, target.new_cache()).hidden
+    ones = torch.ones(2, 10, dtype=torch.long)
+    batch = Batch(ids, ones, ones, hidden, hidden)
+    early = list(HassDrafter.training_steps(head, batch, target, epoch=0))
+    late = list(HassDrafter.training_steps(head, batch, target, epoch=1))
+    assert len(early) == len(late) == 3
+    assert not any(k.startswith("top") for _, parts in early for k in parts)
+    assert all(f"top{j}" in late[j - 1][1] for j in (1, 2, 3))
+    # step 2's gradient equals what a fresh forward on the detached step-1 prediction gives: nothing flows back
+    # through step 1 (were it not detached, backward of step 2 would also reach step 1's output)
+    pieces = HassDrafter.training_steps(head, batch, target, epoch=0)
+    first, _ = next(pieces)
+    head.zero_grad()
+    first.backward()
+    g1 = head.fc.weight.grad.clone()
+    second, _ = next(pieces)
+    second.backward()  # would raise if step 2's graph reached step 1's (already freed) graph
+    assert not torch.equal(head.fc.weight.grad, g1)
+    total, _ = HassDrafter.training_loss(head, batch, target)
+    torch.testing.assert_close(total, sum(l for l, _ in late), atol=1e-5, rtol=1e-5)
