@@ -4,7 +4,9 @@ A policy grows a tree from the root's next-token logits and an `expand(nodes) ->
 drafter on already-drafted nodes (all at one depth, in one batch) and returns their children's logits [n, V].
 
 - StaticTree (Medusa sparse trees, EAGLE-1): a fixed set of paths of top-k ranks, e.g. [0, 1] = the top-1 child of
-  the root, then the top-2 child below it.
+  the root, then the top-2 child below it: the convention of Medusa's and EAGLE's `*_choices` lists (the EAGLE
+  authors' generate_tree_buffers sorts them by (length, ranks) and takes the last rank of a path from its parent's
+  top-k, as `grow` does), so their lists are used as they are (conf/tree/static.yaml: EAGLE-1's mc_sim_7b_63).
 - DynamicTree (EAGLE-2, as used by Beagle, MoA and CORAL): at depth 1 keep the top-k children of the root; at every
   further depth expand the top-k frontier nodes by cumulative draft log-probability, each into its top-k children;
   finally rerank every drafted node by cumulative log-probability and keep the best `total_tokens`.
@@ -124,6 +126,16 @@ class StaticTree:
 
 
 class DynamicTree:
+    """EAGLE-2's dynamic tree. `depth` counts drafted levels, the root's top-k children being level 1 (the root, the
+    last verified token, is not counted): depth D drafts `topk` + (D-1) `topk`^2 nodes in D-1 `expand` calls and keeps
+    the best `total_tokens` of them (the root not counted either). The authors' code counts one less: EAGLE-2's (and
+    HASS's) `topK_genrate` takes the root's top-k before a loop of `depth` iterations, each adding a level, so their
+    `--depth 5` (the default of their evaluation scripts, with --top-k 10 --total-token 60) drafts 6 levels: depth 6
+    here. The papers count as here: MoA's D (papers/002 Sec. 2.2: "B + (D-1)B^2 nodes"); CORAL's "tree depth of 6"
+    (papers/003 Sec. 4.1), its settings "primarily identical" to the HASS / EAGLE-2 code's (default --depth 5).
+    Beagle's "depth=1+6" (papers/000 Sec. 5.1, EAGLE-2's hyperparameters) is read as the root plus 6 drafted levels:
+    depth 6 here (were it the code's --depth 6, it would be 7 here). conf/tree/dynamic.yaml points here."""
+
     def __init__(self, depth: int = 6, topk: int = 10, total_tokens: int = 60, **_):
         if depth < 1 or topk < 1 or total_tokens < 1:
             raise SpecbenchError("dynamic tree needs depth, topk and total_tokens >= 1")

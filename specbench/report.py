@@ -1,8 +1,9 @@
 """`make figures` (`python -m specbench.report`): every paper table and figure, from the records in results/ only.
 
 For each experiment directory results/<experiment>/ that holds runs, the tables its experiment defines (TABLES):
-markdown and LaTeX with the paper's rows and columns, our numbers, and the device and commit(s) of the runs in the
-caption; runs that do not exist are shown as "–" (never as zeros). Figures (matplotlib, PNG) for the training
+markdown and LaTeX with the paper's rows and columns, our numbers, and in the caption the paper's draft tree, the
+tree (or chain) each drafter's runs decoded with (from their run.json) and the device and commit(s) of the runs; runs
+that do not exist are shown as "–" (never as zeros). Figures (matplotlib, PNG) for the training
 curves (results/training/), the Leviathan speedup-vs-alpha curves with our measured chain points, the draft / verify
 cost decomposition and the training-memory-vs-steps result (results/trainmem/). Output is deterministic: running it
 twice gives byte-identical files (sorted inputs, fixed formats, PNGs without timestamps).
@@ -37,6 +38,7 @@ class Table:
     metrics: tuple[str, ...]  # keys of METRICS
     temperatures: tuple[float, ...] = (0.0,)
     mean: bool = False  # add the paper's Mean/Average column group (mean over the datasets)
+    paper_tree: str = ""  # the draft tree the paper decoded with, for the caption (ours come from the runs)
 
 
 # metric -> (column title, how to read it from a summary, format)
@@ -51,6 +53,10 @@ METRICS = {
 }
 
 
+# a dynamic tree as captions name it; depth = drafted levels, as drafters/trees.py DynamicTree counts it
+DYNAMIC_TREE = "dynamic (depth {depth}, top-k {topk}, {total} tokens)"
+
+
 def router_table(*datasets: str) -> Table:
     """CORAL's LM-head router (papers/003 Sec. 3.3): the same frozen head and tree with and without the router, so the
     draft time per SD iteration (Td) differs only by the LM head; verify time (Tv) is the control."""
@@ -58,23 +64,30 @@ def router_table(*datasets: str) -> Table:
                  "(papers/003 Sec. 3.3)", ("coral", "coral_router"), datasets, ("draft_ms", "verify_ms", "tau"))
 
 
+# the papers' trees (conf/experiment/<name>.yaml gives each and the paper's words; the captions add our runs' trees)
+BEAGLE_TREE = DYNAMIC_TREE.format(depth=6, topk=10, total=60) + " for EAGLE v2 and Beagle"  # papers/000 Sec. 5.1
+CORAL_TREE = "dynamic (depth 6, 60 tokens; top-k unstated, 10 in the HASS / EAGLE-2 code)"  # papers/003 Sec. 4.1
+MOA_TREE = DYNAMIC_TREE.format(depth=6, topk=8, total=62) + " for every method"  # papers/002 Sec. 4
+
 TABLES = {
     "beagle_table1": [Table("table1", "Speed (tokens/s), speedup, τ and peak memory at T=0 (papers/000 Table 1)",
                             ("none", "pld", "sd", "sd_tree", "medusa", "eagle", "eagle2", "hass", "coral", "coral_router",
                              "beagle", "moa", "moa_tli1"),
-                            ("mtbench", "gsm8k", "cnndm"), ("speed", "spu", "tau", "mem")),
+                            ("mtbench", "gsm8k", "cnndm"), ("speed", "spu", "tau", "mem"), paper_tree=BEAGLE_TREE),
                       router_table("mtbench", "gsm8k", "cnndm")],
     "eagle_alpha": [Table("alpha", "Chain drafting: τ and n-α (papers/004 Tables 1-2)", ("eagle", "sd", "pld"),
-                          ("mtbench", "gsm8k"), ("tau", "a0", "a1", "a2", "a3", "a4"), (0.0, 1.0))],
+                          ("mtbench", "gsm8k"), ("tau", "a0", "a1", "a2", "a3", "a4"), (0.0, 1.0),
+                          paper_tree="chains (papers/004 Sec. 5)")],
     "coral_table2": [Table("table2", "τ / speedup (papers/003 Table 2)",
                            ("eagle", "eagle2", "hass", "coral", "coral_router"), ("mtbench", "humaneval", "gsm8k"),
-                           ("tau", "spu"), (0.0, 1.0), mean=True),
+                           ("tau", "spu"), (0.0, 1.0), mean=True, paper_tree=CORAL_TREE),
                      router_table("mtbench", "humaneval", "gsm8k")],
     "train_check": [Table("check", "The training pipeline's drafters on a question file (dataset=jsonl), T=0",
                           ("none", "sd", "sd_tree", "medusa"), ("jsonl",), ("speed", "spu", "tau", "a0", "a1", "a2", "a3"))],
     "moa_table2": [Table("table2", "Speedup and τ on the Spec-Bench categories (papers/002 Table 2)",
                          ("eagle2", "moa", "moa_tli1", "sd", "sd_tree"),
-                         ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"), mean=True)],
+                         ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"), mean=True,
+                         paper_tree=MOA_TREE)],
 }
 
 
@@ -99,6 +112,46 @@ def provenance(runs: list[dict]) -> str:
     devices = sorted({r["_head"]["env"].get("gpu") or r["_head"]["env"].get("cpu") or "?" for r in runs})
     commits = sorted({(r["_head"]["git"].get("commit") or "?")[:7] for r in runs})
     return f"device: {', '.join(devices)}; commit(s): {', '.join(commits)}"
+
+
+def static_tree(paths: list, name: str | None = None) -> str:
+    """A static tree by its name (if its config gives one), size, depth and nodes per depth; a chain as a chain."""
+    per_depth = [sum(len(p) == d for p in paths) for d in range(1, max(map(len, paths)) + 1)]
+    if set(per_depth) == {1} and not any(r for p in paths for r in p):
+        return f"chain of {len(paths)}"
+    label = f"static {name}" if name else "static"
+    return f"{label} ({len(paths)} nodes, depth {len(per_depth)}: {'/'.join(map(str, per_depth))} per depth)"
+
+
+def tree_of(drafter: dict) -> str | None:
+    """How a run's drafter drafted, from its resolved config (run.json): the tree policy it reads (conf/tree/, recorded
+    under drafter.tree), Medusa's own tree, or a chain; None for the baseline. Keys a static tree ignores (an
+    experiment's dynamic-tree settings merged into it) are ignored here too."""
+    tree = drafter.get("tree")
+    if isinstance(tree, dict) and tree.get("kind") == "dynamic":
+        return DYNAMIC_TREE.format(depth=tree.get("depth"), topk=tree.get("topk"), total=tree.get("total_tokens"))
+    if isinstance(tree, dict) and tree.get("kind") == "static":
+        return static_tree(tree["paths"], tree.get("name"))
+    if isinstance(tree, dict):
+        return f"{tree.get('kind')} tree"
+    if tree == "auto":  # Medusa: the most likely paths by the checkpoint's measured head accuracies
+        return f"Medusa sparse ({drafter.get('tree_nodes')} nodes from the heads' accuracies)"
+    if isinstance(tree, list) and tree:
+        return static_tree(tree)
+    if "gamma" in drafter:
+        return f"chain of {drafter['gamma']}"
+    if "num_pred_tokens" in drafter:
+        return f"prompt lookup, up to {drafter['num_pred_tokens']} tokens"
+    return None
+
+
+def trees(table: Table, used: list[dict]) -> str:
+    """Which tree each drafter of the table decoded with, grouped: 'a, b: <tree>; c: <tree>' (table order)."""
+    groups: dict[str, list[str]] = {}
+    for name in table.drafters:
+        for desc in sorted({tree_of(r["_head"]["config"]["drafter"]) for r in used if r["drafter"] == name} - {None}):
+            groups.setdefault(desc, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {desc}" for desc, names in groups.items())
 
 
 def value(summary: dict | None, metric: str) -> float | None:
@@ -135,7 +188,9 @@ def render(table: Table, runs: dict) -> tuple[str, str]:
             row += [mean_cell([runs.get((name, d, t)) for d in table.datasets], m)
                     for t in table.temperatures for m in table.metrics]
     used = [runs[k] for k in sorted(runs) if k[0] in table.drafters and k[1] in table.datasets]
-    caption = f"{table.caption}. {provenance(used) if used else 'no runs yet'}."
+    ours = trees(table, used)
+    caption = (f"{table.caption}. " + (f"The paper's tree: {table.paper_tree}. " if table.paper_tree else "")
+               + (f"Trees of these runs: {ours}. " if ours else "") + f"{provenance(used) if used else 'no runs yet'}.")
     md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     esc = lambda x: x.replace("_", r"\_").replace("τ", r"$\tau$").replace("α", r"$\alpha$").replace(MISSING, "--")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from specbench.records import read_jsonl
-from specbench.report import Table, load_runs, render, report
+from specbench.report import TABLES, Table, load_runs, render, report, tree_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,10 +40,13 @@ def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp
     table = (results / "eagle_alpha" / "alpha.md").read_text()
     # the tiny runs use dataset "jsonl", not the paper's sets: every cell of the paper's table is missing, not zero
     assert "no runs yet" in table and "| pld | – |" in table and "0.00" not in table
+    assert "The paper's tree: chains" in table.splitlines()[0]  # every caption names the tree
     md, tex = render(Table("t", "c", ("none", "pld", "eagle"), ("jsonl",), ("tau", "a0")),
                      load_runs(results / "eagle_alpha"))
     rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
     assert "device:" in md and "commit(s):" in md and r"\toprule" in tex
+    assert "Trees of these runs: pld: prompt lookup, up to 10 tokens." in md.splitlines()[0]  # from the run's config
+    assert "Trees of these runs: pld: prompt lookup" in tex
     assert rows["none"].startswith("| none | 1.00 |") and rows["eagle"] == "| eagle | – | – |"
     assert float(rows["pld"].split(" | ")[1]) > 1.0
     md, _ = render(Table("t", "c", ("none", "pld"), ("jsonl",), ("draft_ms", "verify_ms")), load_runs(results / "eagle_alpha"))
@@ -68,3 +71,38 @@ def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp
     assert load_runs(results / "eagle_alpha")[("pld", "jsonl", 0.0)]["run"] == pld.parent.name  # older: ignored
     (newer / "run.json").write_text(json.dumps({**head, "date": "2999-01-01T00:00:00+00:00"}))
     assert load_runs(results / "eagle_alpha")[("pld", "jsonl", 0.0)]["tau_micro"] == 9.0
+
+
+def test_caption_names_each_drafters_tree():
+    """The caption gives the paper's tree and, from each run's recorded config, the tree its drafter decoded with:
+    grouped by tree in table order; a static tree by name, size and nodes per depth (the dynamic-tree keys an
+    experiment merges into it ignored, as StaticTree ignores them); Medusa's own tree; chains."""
+    mc_sim = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [0, 0, 0], [0, 0, 1],
+              [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
+              [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+    dynamic = {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62}
+    drafters = {
+        "none": {"name": "none"},
+        "sd": {"name": "sd", "gamma": 5},
+        "medusa": {"name": "medusa", "tree": "auto", "tree_nodes": 19},
+        "eagle": {"name": "eagle", "tree": {"name": "mc_sim_7b_63", "kind": "static", "paths": mc_sim, "depth": 6,
+                                            "topk": 8, "total_tokens": 62}},
+        "eagle2": {"name": "eagle2", "tree": dynamic},
+        "moa": {"name": "moa", "tree": dynamic},
+        "chain": {"name": "chain", "tree": {"kind": "static", "paths": [[0], [0, 0], [0, 0, 0]]}},
+    }
+    head = {"date": "2000-01-01", "env": {"cpu": "cpu0"}, "git": {"commit": "abcdef0123"}}
+    runs = {(name, "mtbench", 0.0): {"drafter": name, "tau_micro": 2.0, "_head": {**head, "config": {"drafter": d}}}
+            for name, d in drafters.items()}
+    table = Table("t", "c", tuple(drafters), ("mtbench",), ("tau",), paper_tree="dynamic (depth 6, top-k 8, 62 tokens)")
+    md, tex = render(table, runs)
+    assert md.splitlines()[0] == (
+        "**c. The paper's tree: dynamic (depth 6, top-k 8, 62 tokens). Trees of these runs: sd: chain of 5; "
+        "medusa: Medusa sparse (19 nodes from the heads' accuracies); eagle: static mc_sim_7b_63 (25 nodes, depth 5: "
+        "4/8/8/3/2 per depth); eagle2, moa: dynamic (depth 6, top-k 8, 62 tokens); chain: chain of 3. device: cpu0; "
+        "commit(s): abcdef0.**")
+    assert r"static mc\_sim\_7b\_63" in tex
+    assert tree_of({"name": "medusa", "tree": [[0], [1], [0, 0]]}) == "static (3 nodes, depth 2: 2/1 per depth)"
+    # every paper table names the paper's tree
+    assert all(t.paper_tree for exp in ("beagle_table1", "coral_table2", "moa_table2", "eagle_alpha")
+               for t in TABLES[exp] if t.name != "router")

@@ -4,6 +4,9 @@ import torch
 
 import itertools
 import math
+from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from drafters.trees import DynamicTree, StaticTree, make_tree, paths_from_accuracies, sorted_paths
 from specbench.errors import SpecbenchError
@@ -143,3 +146,71 @@ def test_sd_tree_rows_equal_a_plain_forward(kind):
                 ids = torch.cat([tokens, torch.tensor([path])], 1)
                 ref = drafter.model(input_ids=ids).logits[0, -1]
                 torch.testing.assert_close(row, ref, rtol=1e-4, atol=1e-4)
+
+
+# EAGLE-1's static tree as its authors wrote it: `mc_sim_7b_63` in eagle/model/choices.py of SafeAILab/EAGLE (the same
+# from their first commit 88d6ab4 to cb7e084), copied verbatim. 25 nodes despite the name (Medusa's 63-node tree of
+# that name is another tree).
+MC_SIM_7B_63 = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+                [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+                [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_static_tree_config_is_eagle1s_mc_sim_7b_63(seed):
+    tree = OmegaConf.to_container(OmegaConf.load(CONF / "tree" / "static.yaml"))
+    assert tree["kind"] == "static" and tree["paths"] == MC_SIM_7B_63
+    policy = make_tree(**tree)
+    assert isinstance(policy, StaticTree) and policy.width == 4  # ranks up to top-4, as the authors' list
+    g = torch.Generator().manual_seed(seed)
+    root = torch.randn(40, generator=g) * 3
+    seen = {}
+
+    def expand(nodes, tokens, parents):
+        logits = torch.randn(len(nodes), 40, generator=g) * 3
+        seen.update({n: row for n, row in zip(nodes, logits)})
+        return logits
+
+    grown = policy.grow(root, expand)
+    d = node_depths(grown.parents)
+    assert len(grown.tokens) == 25 and max(d) == 5
+    assert [d.count(k) for k in range(1, 6)] == [4, 8, 8, 3, 2]
+    # the authors' convention: path p's token is the rank-p[-1] token of its parent's draft distribution
+    for i, p in enumerate(policy.paths):
+        parent_logits = root if grown.parents[i] == -1 else seen[grown.parents[i]]
+        assert grown.tokens[i] == parent_logits.topk(4).indices[p[-1]].item()
+        assert p[:-1] == (policy.paths[grown.parents[i]] if grown.parents[i] >= 0 else [])
+
+
+# each paper experiment's tree for its tree drafters (conf/experiment/*.yaml; depth as DynamicTree counts it)
+PAPER_TREES = {
+    "beagle_table1": {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60},  # papers/000 Sec. 5.1
+    "coral_table2": {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60},  # papers/003 Sec. 4.1
+    "moa_table2": {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62},  # papers/002 Sec. 4
+}
+
+
+@pytest.mark.parametrize("experiment", sorted(PAPER_TREES))
+def test_each_experiment_decodes_with_its_papers_tree(experiment):
+    """Every dynamic-tree drafter of the sweep composes the paper's tree; eagle keeps EAGLE-1's static tree (the
+    experiment's dynamic settings merged into it are ignored by StaticTree); the others draft no conf/tree."""
+    from hydra import compose, initialize_config_dir
+
+    from specbench.config import register_schema
+
+    params = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml").hydra.sweeper.params
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for drafter in params.drafter.split(","):
+            cfg = compose(config_name="config", overrides=[f"+experiment={experiment}", f"drafter={drafter}"])
+            tree = OmegaConf.to_container(cfg.drafter, resolve=True).get("tree")
+            if drafter == "eagle":
+                assert tree["kind"] == "static" and tree["paths"] == MC_SIM_7B_63
+                assert make_tree(**tree).paths == sorted_paths(MC_SIM_7B_63)[0]
+            elif isinstance(tree, dict):
+                assert {k: tree[k] for k in PAPER_TREES[experiment]} == PAPER_TREES[experiment], drafter
+                policy = make_tree(**tree)
+                assert (policy.depth, policy.topk, policy.total) == (tree["depth"], tree["topk"], tree["total_tokens"])
+            else:
+                assert drafter in ("none", "pld", "sd", "medusa"), drafter
