@@ -62,3 +62,21 @@ def test_each_step_is_its_own_graph_on_detached_inputs_and_losses_sum():
     assert not torch.equal(head.fc.weight.grad, g1)
     total, _ = HassDrafter.training_loss(head, batch, target)
     torch.testing.assert_close(total, sum(l for l, _ in late), atol=1e-5, rtol=1e-5)
+
+
+def test_eagle_head_is_the_authors_layout():
+    """SafeAILab/EAGLE cnets.py: layer 0 has no input RMSNorm (an identity, so no weight to load), fc = Linear(2H, H)
+    with a bias unless the config says bias: false; the layer's own rms_norm_eps is recorded."""
+    from torch import nn
+
+    from drafters.eagle import EagleDrafter
+
+    target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
+    head = EagleDrafter.build_module(target)
+    keys = set(head.state_dict())
+    assert isinstance(head.body.layers[0].input_layernorm, nn.Identity)
+    assert not any("input_layernorm" in k for k in keys)
+    assert {"fc.weight", "fc.bias", "body.layers.0.post_attention_layernorm.weight"} <= keys
+    no_bias = EagleDrafter.build_module(target, bias=False, rms_norm_eps=1e-5)
+    assert "fc.bias" not in no_bias.state_dict()
+    assert no_bias.body.layers[0].post_attention_layernorm.variance_epsilon == 1e-5

@@ -324,3 +324,11 @@ def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file):
     assert all(int(train_set.load(*i)["loss_mask"].sum()) <= 16 for i in train_set.index())
     with pytest.raises(SpecbenchError, match="train.answers='bogus' is not one of dataset, target"):
         Trainer(make_cfg("drafter=sd", *train_overrides(tmp_path, sharegpt_file, **{"train.answers": "bogus"}))).run()
+
+
+def test_grad_clip_mode_is_checked_and_value_clipping_clamps(make_cfg, tmp_path, sharegpt_file):
+    with pytest.raises(SpecbenchError, match="grad_clip_mode"):
+        Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.grad_clip_mode": "both"})))
+    final = Trainer(make_cfg("drafter=eagle", *train_overrides(tmp_path, sharegpt_file, **{
+        "train.epochs": 1, "train.grad_clip_mode": "value", "train.grad_clip": 0.01}))).run()
+    assert read_meta(final)["train"]["grad_clip_mode"] == "value"
