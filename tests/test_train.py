@@ -328,7 +328,7 @@ def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file):
 
 def test_grad_clip_mode_is_checked_and_value_clipping_clamps(make_cfg, tmp_path, sharegpt_file):
     with pytest.raises(SpecbenchError, match="grad_clip_mode"):
-        Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.grad_clip_mode": "both"})))
+        Trainer(make_cfg("drafter=eagle", *train_overrides(tmp_path, sharegpt_file, **{"train.grad_clip_mode": "both"})))
     final = Trainer(make_cfg("drafter=eagle", *train_overrides(tmp_path, sharegpt_file, **{
         "train.epochs": 1, "train.grad_clip_mode": "value", "train.grad_clip": 0.01}))).run()
     assert read_meta(final)["train"]["grad_clip_mode"] == "value"
