@@ -12,7 +12,8 @@ value at 0.5 (the authors' `clip_grad_value_`, conf/train: grad_clip_mode).
 The authors' architecture (SafeAILab/EAGLE `cnets.py`, `Model` / `LlamaDecoderLayer(index=0)`), which the published
 heads (yuhuili/EAGLE-*, HArmonizedSS/HASS-*) need: layer 0 has **no input RMSNorm** (an identity here, not a norm of
 weight 1: `input_norm=False`), `fc` = Linear(2H, H) with a bias unless the checkpoint's config says `bias: false`, the
-decoder's own `rms_norm_eps` (recorded in the module options; default the target's). The concatenation order is
+decoder's own `rms_norm_eps` (a module option, recorded when set, as a published head's config sets it; unset: the
+target's, which the target's config records). The concatenation order is
 (embedding, feature), as theirs.
 
 The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entries are appended while a tree grows
