@@ -11,7 +11,7 @@ PERF_ARGS ?=
 TRAIN    ?= embedded
 TRAIN_DRAFTERS ?= sd medusa eagle hass coral coral_router beagle moa moa_tli1
 
-.PHONY: setup test test-fast bench perf train trainmem figures
+.PHONY: setup test test-fast bench perf perf-drafters train trainmem figures
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ figures: setup
 # Our engine vs transformers' assisted generation / prompt lookup on the same prompts, in one process.
 perf: setup
 	$(BIN)/python -m specbench.perf model=$(MODEL) $(PERF_ARGS)
+
+# Every drafter's draft ms/step, verify ms/step, tokens/s and host round trips per step (results/perf/).
+perf-drafters: setup
+	$(BIN)/python -m specbench.perf_drafters model=$(MODEL) $(PERF_ARGS)
 
 # Peak training memory and step time vs simulated steps: Beagle's late stage vs HASS (results/trainmem/).
 trainmem: setup

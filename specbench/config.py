@@ -122,6 +122,7 @@ class RunConfig:
     out: OutConfig = field(default_factory=OutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     trainmem: TrainMemConfig = field(default_factory=TrainMemConfig)
+    drafters: list[str] = field(default_factory=list)  # specbench/perf_drafters.py: the drafters it measures
 
 
 def register_schema() -> None:
