@@ -2,7 +2,7 @@
 
 Adding a drafter, in three steps:
 
-1. Write `drafters/<name>.py` with a class implementing `drafters.base.Drafter`:
+1. Write `drafters/<name>.py` with a class implementing `specbench.drafter.Drafter`:
    `prefill(state)`, `propose(state) -> DraftTree`, `on_verified(result, state)`, and a class-level `needs`
    (a subset of {"hidden", "kv"}) naming the target outputs it reads from `TargetState`. Its constructor takes
    `target` (a `specbench.target.TargetModel`, for the vocabulary, device and frozen weights) plus its own options.

@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from drafters.base import HIDDEN, TrainableDrafter
+from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
-from drafters.trees import GrowingTree, make_tree
+from drafters.trees import GrowingTree, Level, make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -229,37 +229,34 @@ class BeagleDrafter(TrainableDrafter):
         self._append(self.pending, torch.arange(self.verified, self.verified + n, device=self.device)[None])
         self.verified += n
         root_pos = self.verified  # the root token's position
-        book = GrowingTree()  # slots: the predicted states' cache entries ("concate" only)
+        # the predicted states' drafted cache entries ("concate" only): slot 0 is the root's, seen by every node
+        book = GrowingTree(self.policy.max_nodes, self.device, root_slot=True) if self.concat else None
 
-        def run(tokens: list[int], rows: list[list[int]], pos: list[int]) -> torch.Tensor:
-            total = self.k.shape[2]
-            allowed = torch.zeros(1, 1, len(tokens), total, dtype=torch.bool, device=self.device)
-            allowed[..., : self.verified] = True
-            for r, cols in enumerate(rows):
-                allowed[0, 0, r, cols] = True
-            emb = self.embed(torch.tensor([tokens], device=self.device))
-            p = torch.tensor([pos], device=self.device)
-            h = self.block(emb.to(self.block.q_proj.weight.dtype), p, allowed, kv=(self.k, self.v))  # [1, R, H]
+        def run(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
+            """tokens [R] at position root_pos + depth, each row seeing the verified states and its drafted slots
+            seen [R, S] -> predicted states [R, H] (appended to the cache in "concate" mode)."""
+            verified = torch.ones(tokens.shape[0], self.verified, dtype=torch.bool, device=self.device)
+            allowed = torch.cat([verified, seen], -1)[None, None]  # [1, 1, R, K]
+            p = torch.full((1, tokens.shape[0]), root_pos + depth, device=self.device)
+            h = self.block(self.embed(tokens[None]).to(self.block.q_proj.weight.dtype), p, allowed, kv=(self.k, self.v))
             if self.concat:
-                first = self.k.shape[2]
                 self._append(h, p)
-                return h[0], first
-            return h[0], None
+            return h[0]
 
-        h_root, first = run([int(state.tokens[0, -1])], [[]], [root_pos])
-        root_slot = [first] if first is not None else []
+        none_seen = torch.zeros(1, 0, dtype=torch.bool, device=self.device)
+        h_root = run(state.tokens[0, -1:], none_seen, 0)
 
-        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            book.add(nodes, parents, self.k.shape[2])
+        def expand(level: Level) -> torch.Tensor:
             # strictly earlier: a node's drafted ancestors and the root, never itself (none without "concate")
-            rows = [[book.slot[a] for a in book.lineage(par)] + root_slot if self.concat else [] for par in parents]
-            h, _ = run(tokens, rows, [root_pos + book.depth[v] for v in nodes])
+            seen = book.ancestors(level.parents) if self.concat else none_seen.expand(level.nodes.shape[0], 0)
+            h = run(level.tokens, seen, level.depth)
+            if self.concat:
+                book.add(level.nodes, level.parents)  # their states were appended, in node order
             return self._logits(h)
 
         grown = self.policy.grow(self._logits(h_root[0]), expand)
         self.k, self.v = self.k[:, :, : self.verified], self.v[:, :, : self.verified]  # drop drafted states
-        return DraftTree(tokens=torch.tensor([grown.tokens], device=self.device),
-                         parents=torch.tensor([grown.parents], device=self.device))
+        return DraftTree(tokens=grown.tokens[None], parents=grown.parents[None], is_chain=grown.is_chain)
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         self.pending = state.hidden  # true states of the root and the accepted path

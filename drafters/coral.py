@@ -101,8 +101,18 @@ class LMHeadRouter(nn.Module):
         top = log_r.topk(self.active, dim=-1).indices  # [R, k]
         out = torch.full((f.shape[0], self.vocab), float("-inf"), device=f.device)
         x = f.to(weight.dtype)
-        for g in top.unique().tolist():  # each active group's rows of the LM head once, for the rows that chose it
-            rows = (top == g).any(-1).nonzero()[:, 0]
+        # each active group's rows of the LM head once, for the rows that chose it; which rows chose which group is
+        # read once (a host round trip per call, none per group) and the row indices go back in one copy
+        chosen: dict[int, list[int]] = {}
+        for r, groups in enumerate(top.tolist()):
+            for g in groups:
+                chosen.setdefault(g, []).append(r)
+        order = sorted(chosen)
+        flat = torch.tensor([r for g in order for r in chosen[g]], device=f.device)
+        start = 0
+        for g in order:
+            rows = flat[start : start + len(chosen[g])]
+            start += len(chosen[g])
             lo, hi = g * self.group_size, min((g + 1) * self.group_size, self.vocab)
             inner = F.linear(x[rows], weight[lo:hi]).float().log_softmax(-1)  # in-group softmax, [r, hi-lo]
             out[rows, lo:hi] = inner + log_r[rows, g : g + 1]

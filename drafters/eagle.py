@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from drafters.base import HIDDEN, TrainableDrafter
+from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
-from drafters.trees import GrowingTree, draft_mask, make_tree
+from drafters.trees import GrowingTree, Level, draft_mask, make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -138,25 +138,23 @@ class EagleDrafter(TrainableDrafter):
         pos = torch.arange(self.verified, self.verified + n, device=self.device)[None]
         root_f = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos)[0, -1]
         self.verified += n
-        out_f: dict[int, torch.Tensor] = {}  # node -> its predicted feature (input of its children)
-        book = GrowingTree()
+        book = GrowingTree(self.policy.max_nodes, self.device)
+        feats = root_f.new_empty(self.policy.max_nodes + 1, root_f.shape[-1])  # [1 + nodes, H] row v+1: node v's f^
+        feats[0] = root_f  # row 0: the root's
 
-        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            first = self.cache.get_seq_length()
-            book.add(nodes, parents, first)
-            f_in = torch.stack([root_f if book.parent[v] < 0 else out_f[book.parent[v]] for v in nodes])[None]
-            emb = self.embed(torch.tensor([tokens], device=self.device))
-            pos = torch.tensor([[self.verified + book.depth[v] - 1 for v in nodes]], device=self.device)
-            mask = draft_mask(self.verified, book.rows(nodes), first + len(nodes), f_in.dtype, self.device)
-            f = self.head(emb, f_in, self.cache, position_ids=pos, attention_mask=mask)[0]
-            for j, node in enumerate(nodes):
-                out_f[node] = f[j]
+        def expand(level: Level) -> torch.Tensor:
+            # a node's input pair: (its parent's predicted feature, its token)
+            f_in = feats[level.parents + 1][None]  # [1, n, H]
+            seen = book.add(level.nodes, level.parents)
+            pos = torch.full((1, level.nodes.shape[0]), self.verified + level.depth - 1, device=self.device)
+            mask = draft_mask(self.verified, seen, f_in.dtype)
+            f = self.head(self.embed(level.tokens[None]), f_in, self.cache, position_ids=pos, attention_mask=mask)[0]
+            feats[level.nodes + 1] = f
             return self._logits(f)
 
         grown = self.policy.grow(self._logits(root_f), expand)
         self.cache.crop(self.verified - self.cache.get_seq_length())  # drop drafted entries
-        tokens = torch.tensor([grown.tokens], device=self.device)
-        return DraftTree(tokens=tokens, parents=torch.tensor([grown.parents], device=self.device))
+        return DraftTree(tokens=grown.tokens[None], parents=grown.parents[None], is_chain=grown.is_chain)
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         n = state.hidden.shape[1]  # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})

@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import HIDDEN, TrainableDrafter
+from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs
 from drafters.trees import paths_from_accuracies, sorted_paths
 from specbench.checkpoints import read_meta
 from specbench.errors import SpecbenchError
+from specbench.tree import is_chain
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -62,6 +63,7 @@ class MedusaDrafter(TrainableDrafter):
             tree = paths_from_accuracies(self.measured_accuracies(checkpoint), tree_nodes)
         self.paths, parents = sorted_paths(tree or [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]][:k], max_depth=k)
         self.parents = torch.tensor([parents], device=target.device)
+        self.is_chain = is_chain(parents)  # e.g. the default chain of top-1 heads: verified with the causal mask
         self.depth_idx = torch.tensor([len(p) - 1 for p in self.paths], device=target.device)
         self.rank_idx = torch.tensor([p[-1] for p in self.paths], device=target.device)
         self.topk = 1 + int(self.rank_idx.max())
@@ -148,7 +150,7 @@ class MedusaDrafter(TrainableDrafter):
         logits = self.lm_head(self.heads(self.last_h).to(self.lm_head.weight.dtype))  # [B, K, V]
         top = logits.topk(self.topk, dim=-1).indices  # [B, K, topk]
         tokens = top[:, self.depth_idx, self.rank_idx]  # [B, N]
-        return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1))
+        return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1), is_chain=self.is_chain)
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         self.last_h = state.hidden[:, -1]

@@ -30,11 +30,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from drafters.base import KV, TrainableDrafter
+from specbench.drafter import KV, TrainableDrafter
 from drafters.beagle import BeagleBlock
 from drafters.distill import kl, teacher_probs, top1
 from drafters.eagle import one_layer_decoder
-from drafters.trees import GrowingTree, draft_mask, make_tree
+from drafters.trees import GrowingTree, Level, draft_mask, make_tree
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -250,24 +250,21 @@ class MoADrafter(TrainableDrafter):
                                   torch.cat([self.tli_kv[i][1], v[:, :, new]], 2)]
         self.acts = n
 
-    def _rows(self, tokens: list[int], pos: list[int], sa_rows: list[list[int]], tli_rows: list[list[int]]):
-        """Draft rows: SA over the tree (sa_rows: SA cache slots each row sees besides the verified tokens, itself
-        included), CA over verified activations, TLI layers (tli_rows: own slots besides the verified ones) -> logits."""
+    def _rows(self, tokens: torch.Tensor, pos: int, sa_seen: torch.Tensor, tli_seen: torch.Tensor) -> torch.Tensor:
+        """Draft rows tokens [R] at position pos: SA over the tree (sa_seen [R, S]: the drafted SA slots each row sees
+        besides the verified tokens, itself included), CA over verified activations, TLI layers (tli_seen [R, S']: its
+        TLI slots besides the verified activations, the root's own first) -> logits [R, V]."""
         wdt = self.net.ca.q_proj.weight.dtype
-        p = torch.tensor([pos], device=self.device)
-        first = self.sa_cache.get_seq_length()
-        mask = draft_mask(self.sa_len, sa_rows, first + len(tokens), wdt, self.device)
-        q = self.net.sa(inputs_embeds=self.embed(torch.tensor([tokens], device=self.device)).to(wdt),
-                        past_key_values=self.sa_cache, position_ids=p, attention_mask=mask,
+        r = tokens.shape[0]
+        p = torch.full((1, r), pos, device=self.device)
+        q = self.net.sa(inputs_embeds=self.embed(tokens[None]).to(wdt), past_key_values=self.sa_cache,
+                        position_ids=p, attention_mask=draft_mask(self.sa_len, sa_seen, wdt),
                         use_cache=True).last_hidden_state
-        ca_allowed = torch.ones(1, 1, len(tokens), self.acts, dtype=torch.bool, device=self.device)
+        ca_allowed = torch.ones(1, 1, r, self.acts, dtype=torch.bool, device=self.device)
         x = self.net.ca(q, p, ca_allowed, kv=self.ca_kv)
         if self.net.tli:
-            total = self.tli_kv[0][0].shape[2] + len(tokens)
-            allowed = torch.zeros(1, 1, len(tokens), total, dtype=torch.bool, device=self.device)
-            allowed[..., : self.acts] = True
-            for r, cols in enumerate(tli_rows):
-                allowed[0, 0, r, cols] = True
+            verified = torch.ones(r, self.acts, dtype=torch.bool, device=self.device)
+            allowed = torch.cat([verified, tli_seen], -1)[None, None]  # [1, 1, R, acts + S']
             for i, layer in enumerate(self.tli_layers):
                 kc, vc = self.tli_kv[i]
                 x, k, v = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, allowed)
@@ -286,8 +283,9 @@ class MoADrafter(TrainableDrafter):
                         position_ids=torch.arange(self.sa_len, n - 1, device=self.device)[None], use_cache=True)
             self.sa_len = n - 1
         # the root's TLI slot; in validation chains earlier drafted tokens stay in the TLI caches and are seen too
-        own = list(range(self.acts, (self.tli_kv[0][0].shape[2] if self.net.tli else self.acts) + 1))
-        logits = self._rows([int(toks[0, -1])], [n - 1], [[self.sa_len]], [own])[0]
+        own = (self.tli_kv[0][0].shape[2] if self.net.tli else self.acts) + 1 - self.acts
+        ones = lambda k: torch.ones(1, k, dtype=torch.bool, device=self.device)  # noqa: E731
+        logits = self._rows(toks[0, -1:], n - 1, ones(1), ones(own))[0]
         self.sa_len = n  # the root is a verified token: its SA entry stays
         return logits
 
@@ -303,20 +301,17 @@ class MoADrafter(TrainableDrafter):
         toks = state.tokens
         root_logits = self._root_logits(toks, state)
         root_pos = toks.shape[1] - 1
-        book = GrowingTree()  # slots: the SA cache
-        tli_slot: dict[int, int] = {-1: self.acts}
+        book = GrowingTree(self.policy.max_nodes, self.device)  # slots: the drafted SA entries
 
-        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            book.add(nodes, parents, self.sa_cache.get_seq_length())
-            tli_first = self.tli_kv[0][0].shape[2] if self.net.tli else 0
-            tli_slot.update({node: tli_first + j for j, node in enumerate(nodes)})
-            tli_rows = [[tli_slot[c] for c in book.lineage(v)] + [tli_slot[-1]] for v in nodes]
-            return self._rows(tokens, [root_pos + book.depth[v] for v in nodes], book.rows(nodes), tli_rows)
+        def expand(level: Level) -> torch.Tensor:
+            sa_seen = book.add(level.nodes, level.parents)
+            # TLI entries are appended in the same order, after the root's own (seen by every row)
+            tli_seen = torch.cat([sa_seen.new_ones(sa_seen.shape[0], 1), sa_seen], -1)
+            return self._rows(level.tokens, root_pos + level.depth, sa_seen, tli_seen)
 
         grown = self.policy.grow(root_logits, expand)
         self.crop()
-        return DraftTree(tokens=torch.tensor([grown.tokens], device=self.device),
-                         parents=torch.tensor([grown.parents], device=self.device))
+        return DraftTree(tokens=grown.tokens[None], parents=grown.parents[None], is_chain=grown.is_chain)
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         pass  # everything the next cycle needs is read from state.kv / state.tokens in propose

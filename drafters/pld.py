@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import Drafter
+from specbench.drafter import Drafter
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 

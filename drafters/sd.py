@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from drafters.base import TrainableDrafter
+from specbench.drafter import TrainableDrafter
 from drafters.distill import kl, teacher_probs, top1
-from drafters.trees import GrowingTree, draft_mask, make_tree
+from drafters.trees import GrowingTree, Level, draft_mask, make_tree
 from specbench.errors import SpecbenchError
 from specbench.sampling import logits_to_probs, sample
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -142,23 +142,20 @@ class IndependentDrafter(TrainableDrafter):
         """Tree drafting (MoA's "Independent" row uses EAGLE-2's tree, papers/002 Sec. 4): the policy grows the tree
         in the draft model's own cache, each expanded node attending to the verified tokens, its ancestors and itself;
         the drafted entries are cropped off before verification. Drafts are top-k choices (q = 1): lossless at any T."""
-        book = GrowingTree()
-        device = root_logits.device
+        book = GrowingTree(self.policy.max_nodes, root_logits.device)
+        dtype = self.model.get_output_embeddings().weight.dtype
 
         @torch.inference_mode()
-        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
-            first = self.cache.get_seq_length()
-            book.add(nodes, parents, first)
-            pos = torch.tensor([[verified - 1 + book.depth[v] for v in nodes]], device=device)  # root at verified-1
-            dtype = self.model.get_output_embeddings().weight.dtype
-            mask = draft_mask(verified, book.rows(nodes), first + len(nodes), dtype, device)
-            return self.model(input_ids=torch.tensor([tokens], device=device), past_key_values=self.cache,
+        def expand(level: Level) -> torch.Tensor:
+            seen = book.add(level.nodes, level.parents)
+            pos = torch.full((1, level.nodes.shape[0]), verified - 1 + level.depth, device=root_logits.device)
+            mask = draft_mask(verified, seen, dtype)  # root at verified-1
+            return self.model(input_ids=level.tokens[None], past_key_values=self.cache,
                               position_ids=pos, attention_mask=mask, use_cache=True).logits[0]  # [n, V]
 
         grown = self.policy.grow(root_logits, expand)
         self.cache.crop(verified - self.cache.get_seq_length())
-        return DraftTree(tokens=torch.tensor([grown.tokens], device=device),
-                         parents=torch.tensor([grown.parents], device=device))
+        return DraftTree(tokens=grown.tokens[None], parents=grown.parents[None], is_chain=grown.is_chain)
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         if self.policy is not None:

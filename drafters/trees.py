@@ -1,7 +1,8 @@
 """Draft-tree policies shared by tree drafters (Medusa, EAGLE-1/2, HASS, CORAL, Beagle, MoA).
 
-A policy grows a tree from the root's next-token logits and an `expand(nodes) -> logits` callback that runs the
+A policy grows a tree from the root's next-token logits and an `expand(level) -> logits` callback that runs the
 drafter on already-drafted nodes (all at one depth, in one batch) and returns their children's logits [n, V].
+Everything stays on the drafter's device: no host reads per node or per depth (tests/test_roundtrips.py).
 
 - StaticTree (Medusa sparse trees, EAGLE-1): a fixed set of paths of top-k ranks, e.g. [0, 1] = the top-1 child of
   the root, then the top-2 child below it: the convention of Medusa's and EAGLE's `*_choices` lists (the EAGLE
@@ -20,51 +21,65 @@ from typing import Callable
 import torch
 
 from specbench.errors import SpecbenchError
+from specbench.tree import is_chain
 
-# (node indices, their tokens, their parents) -> the children's logits [n, V]; nodes are all at one depth and every
-# ancestor of theirs was expanded earlier
-Expand = Callable[[list[int], list[int], list[int]], torch.Tensor]
+
+@dataclass(frozen=True)
+class Level:
+    """Already-drafted nodes of one depth whose children a policy asks for (every ancestor of theirs was expanded
+    earlier). Tensors on the drafter's device: a policy never reads them on the host."""
+
+    nodes: torch.Tensor  # [n] node ids (indices into the policy's drafted nodes)
+    tokens: torch.Tensor  # [n] their tokens
+    parents: torch.Tensor  # [n] their parents' node ids, -1 = the root
+    depth: int  # their depth, the root's children being 1 (a row's position is the root's + depth)
+
+
+# a Level -> its nodes' children's logits [n, V]
+Expand = Callable[[Level], torch.Tensor]
 
 
 @dataclass
 class Grown:
-    tokens: list[int]  # [N] in topological order
-    parents: list[int]  # [N], -1 = root
+    tokens: torch.Tensor  # [N] in topological order
+    parents: torch.Tensor  # [N], -1 = root
+    is_chain: bool = False  # known from the policy's shape alone (no host read): the target's causal mask applies
 
 
-def draft_mask(prefix: int, slots: list[list[int]], total: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask for new draft rows: every row sees the verified prefix and the cache slots it lists. [1,1,R,total]"""
-    m = torch.full((1, 1, len(slots), total), torch.finfo(dtype).min, dtype=dtype, device=device)
-    m[..., :prefix] = 0
-    for r, cols in enumerate(slots):
-        m[0, 0, r, cols] = 0
+def draft_mask(prefix: int, seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask for new draft rows: every row sees the verified prefix and the drafted slots it marks.
+    seen [R, S] bool (GrowingTree rows) -> [1, 1, R, prefix + S]."""
+    m = torch.zeros(1, 1, seen.shape[0], prefix + seen.shape[1], dtype=dtype, device=seen.device)
+    m[0, 0, :, prefix:].masked_fill_(~seen, torch.finfo(dtype).min)
     return m
 
 
 class GrowingTree:
-    """What a drafter with its own KV cache tracks while a policy grows a tree in it: each expanded node's parent,
-    depth and cache slot (the rows of one `expand` call are appended to the cache together, from slot `first`)."""
+    """The drafted slots of a drafter's own cache that each node's row attends to (its own and its drafted ancestors'),
+    kept as a bool matrix on the device that grows with the tree: the rows of one `expand` are appended to the cache
+    together, in node order, so slot j is the j-th drafted entry. Row 0 is the root; row v+1 node v.
+    With `root_slot`, slot 0 is the root's own drafted entry (Beagle, MoA's TLI caches), seen by every row."""
 
-    def __init__(self):
-        self.parent: dict[int, int] = {}
-        self.depth: dict[int, int] = {-1: 0}
-        self.slot: dict[int, int] = {}
+    def __init__(self, capacity: int, device: torch.device | str, root_slot: bool = False):
+        self.seen = torch.ones(capacity + 1, int(root_slot), dtype=torch.bool, device=device)  # [capacity+1, S]
 
-    def add(self, nodes: list[int], parents: list[int], first: int) -> None:
-        for j, (node, par) in enumerate(zip(nodes, parents)):
-            self.parent[node], self.depth[node], self.slot[node] = par, self.depth[par] + 1, first + j
+    @property
+    def slots(self) -> int:
+        return self.seen.shape[1]
 
-    def lineage(self, node: int) -> list[int]:
-        """The node and its drafted ancestors, deepest first (the root, -1, excluded)."""
-        out = []
-        while node >= 0:
-            out.append(node)
-            node = self.parent[node]
-        return out
+    def ancestors(self, parents: torch.Tensor) -> torch.Tensor:
+        """Rows seeing the drafted ancestors of nodes with these parents, not the nodes themselves. [n, S]"""
+        return self.seen[parents + 1]
 
-    def rows(self, nodes: list[int]) -> list[list[int]]:
-        """Per node, the cache slots its row attends to besides the verified prefix: itself and its ancestors."""
-        return [[self.slot[a] for a in self.lineage(v)] for v in nodes]
+    def add(self, nodes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """Give nodes [n] (children of parents [n]) the next n slots; returns their rows, own slot + ancestors':
+        [n, S+n]."""
+        n, s0 = nodes.shape[0], self.slots
+        self.seen = torch.cat([self.seen, self.seen.new_zeros(self.seen.shape[0], n)], 1)
+        rows = self.seen[parents + 1]
+        rows[:, s0:] = torch.eye(n, dtype=torch.bool, device=rows.device)
+        self.seen[nodes + 1] = rows
+        return rows
 
 
 def sorted_paths(paths: list[list[int]], max_depth: int | None = None) -> tuple[list[list[int]], list[int]]:
@@ -107,22 +122,33 @@ class StaticTree:
         self.paths, self.parents = sorted_paths(paths)
         self.depth = max(len(p) for p in self.paths)
         self.width = 1 + max(max(p) for p in self.paths)
+        self.max_nodes = len(self.paths)
+        self.is_chain = is_chain(self.parents)
+        self._index: dict[torch.device, tuple] = {}  # the fixed index tensors, per device
+
+    def _indices(self, device: torch.device) -> tuple:
+        """(parents [N], depth-1 nodes, their ranks, [(depth, fed nodes, depth-d nodes, their row in fed, rank)])."""
+        if device not in self._index:
+            t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731 (once per device)
+            first = [i for i, p in enumerate(self.paths) if len(p) == 1]
+            levels = []
+            for d in range(2, self.depth + 1):
+                kids = [i for i, p in enumerate(self.paths) if len(p) == d]
+                feed = sorted({self.parents[i] for i in kids})
+                levels.append((d, t(feed), t(kids), t([feed.index(self.parents[i]) for i in kids]),
+                               t([self.paths[i][-1] for i in kids])))
+            self._index[device] = (t(self.parents), t(first), t([self.paths[i][0] for i in first]), levels)
+        return self._index[device]
 
     def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
         """root_logits [V]."""
-        tokens = [0] * len(self.paths)
-        top = root_logits.topk(self.width).indices.tolist()
-        for i, p in enumerate(self.paths):
-            if len(p) == 1:
-                tokens[i] = top[p[0]]
-        for d in range(2, self.depth + 1):
-            kids = [i for i, p in enumerate(self.paths) if len(p) == d]
-            feed = sorted({self.parents[i] for i in kids})
-            logits = expand(feed, [tokens[i] for i in feed], [self.parents[i] for i in feed])
-            top = logits.topk(self.width, dim=-1).indices.tolist()
-            for i in kids:
-                tokens[i] = top[feed.index(self.parents[i])][self.paths[i][-1]]
-        return Grown(tokens, list(self.parents))
+        parents, first, first_rank, levels = self._indices(root_logits.device)
+        tokens = torch.zeros(len(self.paths), dtype=torch.long, device=root_logits.device)
+        tokens[first] = root_logits.topk(self.width).indices[first_rank]
+        for d, feed, kids, row, rank in levels:
+            logits = expand(Level(feed, tokens[feed], parents[feed], d - 1))
+            tokens[kids] = logits.topk(self.width, dim=-1).indices[row, rank]
+        return Grown(tokens, parents, self.is_chain)
 
 
 class DynamicTree:
@@ -134,35 +160,40 @@ class DynamicTree:
     here. The papers count as here: MoA's D (papers/002 Sec. 2.2: "B + (D-1)B^2 nodes"); CORAL's "tree depth of 6"
     (papers/003 Sec. 4.1), its settings "primarily identical" to the HASS / EAGLE-2 code's (default --depth 5).
     Beagle's "depth=1+6" (papers/000 Sec. 5.1, EAGLE-2's hyperparameters) is read as the root plus 6 drafted levels:
-    depth 6 here (were it the code's --depth 6, it would be 7 here). conf/tree/dynamic.yaml points here."""
+    depth 6 here (were it the code's --depth 6, it would be 7 here). conf/tree/dynamic.yaml points here.
+    Grown with tensor ops on the drafter's device (selection, expansion and rerank), as the authors' depth loop."""
 
     def __init__(self, depth: int = 6, topk: int = 10, total_tokens: int = 60, **_):
         if depth < 1 or topk < 1 or total_tokens < 1:
             raise SpecbenchError("dynamic tree needs depth, topk and total_tokens >= 1")
         self.depth, self.topk, self.total = depth, topk, total_tokens
+        self.max_nodes = topk + (depth - 1) * topk * topk
 
     def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
         k = min(self.topk, root_logits.shape[-1])
-        logp = root_logits.float().log_softmax(-1).topk(k)
-        tokens, parents = logp.indices.tolist(), [-1] * k
-        scores = logp.values.tolist()  # cumulative draft log-probability of each node
-        frontier = list(range(self.topk))
-        for _ in range(2, self.depth + 1):
-            logits = expand(frontier, [tokens[i] for i in frontier], [parents[i] for i in frontier])
+        root = root_logits.float().log_softmax(-1).topk(k)
+        device = root_logits.device
+        f_nodes = torch.arange(k, device=device)  # the frontier: node ids, tokens, parents, cumulative log-probs
+        f_tok, f_par, f_score = root.indices, torch.full((k,), -1, dtype=torch.long, device=device), root.values
+        tokens, parents, scores = [f_tok], [f_par], [f_score]  # every drafted node, level by level
+        n = k
+        for depth in range(1, self.depth):
+            logits = expand(Level(f_nodes, f_tok, f_par, depth))
             child = logits.float().log_softmax(-1).topk(k, dim=-1)
-            base = torch.tensor([scores[i] for i in frontier])[:, None] + child.values.cpu()  # [k, k]
-            first = len(tokens)
-            for r, parent in enumerate(frontier):
-                tokens += child.indices[r].tolist()
-                parents += [parent] * k
-            scores += base.reshape(-1).tolist()
-            best = base.reshape(-1).topk(min(k, base.numel())).indices.tolist()
-            frontier = [first + j for j in best]
-        # rerank: a child never scores above its parent, so the best-N set is closed under ancestors when ties
-        # go to the earlier (shallower) node
-        keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.total])
-        new = {old: n for n, old in enumerate(keep)}
-        return Grown([tokens[i] for i in keep], [new[parents[i]] if parents[i] >= 0 else -1 for i in keep])
+            score = (f_score[:, None] + child.values).reshape(-1)  # [k*k] each child's cumulative log-probability
+            tok, par = child.indices.reshape(-1), f_nodes[:, None].expand(-1, k).reshape(-1)
+            tokens, parents, scores = tokens + [tok], parents + [par], scores + [score]
+            best = score.topk(min(k, score.numel())).indices  # the next frontier: the k most likely children
+            f_nodes, f_tok, f_par, f_score = n + best, tok[best], par[best], score[best]
+            n += score.numel()
+        tokens, parents, scores = torch.cat(tokens), torch.cat(parents), torch.cat(scores)
+        # rerank: a child never scores above its parent, so the best-N set is closed under ancestors when ties go to
+        # the earlier (shallower) node: a stable descending sort
+        keep = scores.sort(descending=True, stable=True).indices[: self.total].sort().values
+        new_id = torch.full((n,), -1, dtype=torch.long, device=device)
+        new_id[keep] = torch.arange(keep.shape[0], device=device)
+        par = parents[keep]
+        return Grown(tokens[keep], torch.where(par >= 0, new_id[par.clamp(min=0)], -1), is_chain=k == 1)
 
 
 def make_tree(kind: str, **options):

@@ -3,8 +3,11 @@
 1. prefill the prompt on the target, take the first token (the root), hand the drafter what it needs;
 2. drafter proposes a DraftTree;
 3. one target forward over [root, nodes] with the tree mask and depth positions;
-4. acceptance (verify.py): greedy or recursive rejection sampling -> accepted path + bonus/recovered token;
-5. compact the target cache to the accepted path, tell the drafter; stop at EOS or max_new_tokens.
+4. acceptance (verify.py, on the device): greedy or recursive rejection sampling -> accepted path + bonus/recovered;
+5. one host transfer reads the tree and its outcome; compact the target cache to the accepted path, tell the drafter;
+   stop at EOS or max_new_tokens.
+Host round trips per step: the drafter's own (none per node for the tree drafters) plus that one transfer
+(tests/test_roundtrips.py bounds both).
 """
 from __future__ import annotations
 
@@ -13,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.base import HIDDEN, KV, Drafter
+from specbench.drafter import HIDDEN, KV, Drafter
 from specbench.sampling import logits_to_probs, sample
 from specbench.target import TargetModel, cache_kv, compact_cache
-from specbench.tree import is_chain, node_depths
+from specbench.tree import ancestor_matrix, is_chain, node_depths
 from specbench.types import SamplingParams, TargetState, VerifyResult
 from specbench.verify import greedy_accept, rejection_accept
 
@@ -112,22 +115,30 @@ class Engine:
             sync(dev)
             tv = time.perf_counter()
             gen.draft_s += tv - td
-            node_tokens = tree.tokens[0].tolist()
-            parents = tree.parents[0].tolist()
+            n = tree.num_nodes
+            node_tok, node_par = tree.tokens[0], tree.parents[0]  # [N], [N] on the device
+            anc = ancestor_matrix(node_par)  # [N+1, N+1]
             prefix = cache.get_seq_length()
-            fwd = target.verify(tokens[:, -1:], tree.tokens, parents, cache)
+            fwd = target.verify(tokens[:, -1:], tree.tokens, anc, cache, causal=tree.is_chain)
             logits = fwd.logits[0]  # [N+1, V]
             if self.sampling.greedy:
-                acc = greedy_accept(node_tokens, parents, logits.argmax(-1).tolist())
+                acc = greedy_accept(node_tok, node_par, anc, logits.argmax(-1))
             else:
                 q = tree.draft_probs[0] if tree.draft_probs is not None else None
-                acc = rejection_accept(node_tokens, parents, logits_to_probs(logits, self.sampling), q, generator)
-            compact_cache(cache, prefix, acc.path, len(node_tokens))
+                acc = rejection_accept(node_tok, node_par, anc, logits_to_probs(logits, self.sampling), q, generator)
+            # the step's one host transfer: the tree and its outcome, for the bookkeeping below
+            host = torch.cat([node_tok, node_par, acc.path,
+                              torch.stack([acc.length, acc.next_token, acc.recovered.long()])]).tolist()
+            node_tokens, parents = host[:n], host[n : 2 * n]
+            length, next_token, recovered = host[3 * n :]
+            path = host[2 * n : 2 * n + length]
+            keep = acc.path[:length]  # [A] on the device
+            compact_cache(cache, prefix, keep, contiguous=path == list(range(length)))
             sync(dev)
             gen.verify_s += time.perf_counter() - tv
             # emit the accepted tokens and the bonus/recovered one, stopping at EOS or the token budget
             emitted: list[int] = []
-            for tok in [node_tokens[i] for i in acc.path] + [acc.next_token]:
+            for tok in [node_tokens[i] for i in path] + [next_token]:
                 emitted.append(tok)
                 if tok in eos:
                     gen.stopped_by, done = "eos", True
@@ -138,21 +149,22 @@ class Engine:
             out.extend(emitted)
             gen.steps += 1
             gen.tokens_per_step.append(len(emitted))
-            gen.tree_sizes.append(len(node_tokens))
-            gen.recovered += int(acc.recovered)
+            gen.tree_sizes.append(n)
+            gen.recovered += int(recovered)
             gen.chain &= is_chain(parents)
-            _count_depths(gen, parents, acc.path)
+            _count_depths(gen, parents, path)
             if done:
                 break
-            rows = [0] + [i + 1 for i in acc.path]  # root + accepted nodes are now in the target cache
-            tokens = torch.cat([tokens, torch.tensor([emitted], device=dev)], dim=1)
+            rows = torch.cat([keep.new_zeros(1), keep + 1])  # root + accepted nodes are now in the target cache
+            new = torch.cat([node_tok[keep], acc.next_token[None]])  # [A+1] == emitted (not cut: not done)
+            tokens = torch.cat([tokens, new[None]], dim=1)
             state = self._state(tokens, fwd.hidden[:, rows], cache, generator)
             result = VerifyResult(
-                accepted_nodes=acc.path,
-                accepted_tokens=[node_tokens[i] for i in acc.path],
-                next_token=acc.next_token,
-                recovered=acc.recovered,
-                num_nodes=len(node_tokens),
+                accepted_nodes=path,
+                accepted_tokens=[node_tokens[i] for i in path],
+                next_token=next_token,
+                recovered=bool(recovered),
+                num_nodes=n,
                 emitted=emitted,
                 hidden=state.hidden,
             )

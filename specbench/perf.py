@@ -20,7 +20,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.base import NoDrafter
+from specbench.drafter import NoDrafter
 from specbench import envinfo
 from specbench.config import register_schema
 from specbench.engine import Engine, sync

@@ -5,12 +5,13 @@ decoding step pays a full queue drain per round trip; on a CPU they cost Python 
 how the hot path is kept lean (tests/test_roundtrips.py bounds them per drafter; `make perf-drafters` reports them).
 
 Counted, through a TorchFunctionMode (nothing in the project is patched):
-- device -> host reads: `.item()`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")`, and `bool()` / `int()` /
+- device -> host reads: `.item()`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")` (a device tensor, or the CPU
+  named), and `bool()` / `int()` /
   `float()` / `__index__` of a tensor (an `if` on a tensor, a tensor used as a Python index);
 - ops whose output shape depends on the data, which the host must read before it can go on: `nonzero`, `unique`,
   `masked_select`, indexing with a boolean tensor, single-argument `torch.where`, `repeat_interleave` with tensor
   repeats and no `output_size`;
-- host -> device copies: `torch.tensor(...)` / `torch.as_tensor(...)` built from Python data.
+- host -> device copies: `torch.tensor(...)` / `torch.as_tensor(...)` built from (non-empty) Python data.
 """
 from __future__ import annotations
 
@@ -33,10 +34,16 @@ def _kind(name: str, args: tuple, kwargs: dict) -> str | None:
         return name
     if name in FROM_PYTHON:
         data = args[0] if args else kwargs.get("data")
-        return None if isinstance(data, torch.Tensor) else name
-    if name == "to":  # .to("cpu") / .to(device="cpu") / .to(torch.device("cpu"))
+        empty = isinstance(data, (list, tuple)) and len(data) == 0  # nothing to copy (transformers' lazy cache init)
+        return None if isinstance(data, torch.Tensor) or empty else name
+    if name == "to":
+        # a read when a device tensor goes to the CPU, or when the code names the CPU (a string) as a GPU run would
+        # see it; `.to(x.device)` with x on the CPU is the same device here and on a GPU (transformers' rotary does it)
         dest = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
-        return "to(cpu)" if _is_cpu(dest) else None
+        src = args[0].device if args and isinstance(args[0], torch.Tensor) else None
+        if _is_cpu(dest) and (isinstance(dest, str) or (src is not None and src.type != "cpu")):
+            return "to(cpu)"
+        return None
     if name == "__getitem__":
         index = args[1] if len(args) > 1 else None
         parts = index if isinstance(index, tuple) else (index,)

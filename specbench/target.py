@@ -1,8 +1,8 @@
 """TargetModel: the stock HF causal LM driven with explicit 4D tree masks, position ids and its own cache.
 
 No forked modeling code: a tree forward is an ordinary forward of the decoder with an additive mask; the LM head is
-applied only to the rows whose logits are needed. The cache is compacted to the accepted path after verification
-(a gather along the sequence axis, since accepted tree nodes are not contiguous).
+applied only to the rows whose logits are needed. After verification the cache keeps the accepted path: its entries
+are moved into place behind the root and the rest is cropped (EAGLE's way), never a rebuild of the prefix.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from specbench.tree import is_chain, tree_attention_mask, tree_position_ids
+from specbench.tree import tree_attention_mask, tree_position_ids
 
 
 @dataclass
@@ -67,26 +67,32 @@ class TargetModel:
         """prompt [B, L] -> logits of the last position [B, 1, V]; hidden [B, L, H]."""
         return self.forward(prompt, cache, logits_rows=slice(-1, None))
 
-    def verify(self, root: torch.Tensor, tokens: torch.Tensor, parents: list[int], cache: DynamicCache) -> TargetForward:
-        """One forward over [root, node_0..node_{N-1}]: root [B, 1], tokens [B, N] -> logits [B, N+1, V]."""
+    def verify(self, root: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor, cache: DynamicCache,
+               causal: bool = False) -> TargetForward:
+        """One forward over [root, node_0..node_{N-1}]: root [B, 1], tokens [B, N], anc [N+1, N+1] (the tree's
+        ancestor_matrix) -> logits [B, N+1, V]. causal=True: the tree is a chain (or a lone root), which the model's
+        own causal mask already expresses, so no 4D mask is built."""
         prefix = cache.get_seq_length()
         ids = torch.cat([root, tokens], dim=1)
-        pos = tree_position_ids(parents, prefix, self.device)
-        # a chain (or a lone root) is what the causal mask already expresses: skip building a 4D mask
-        mask = None if is_chain(parents) else tree_attention_mask(parents, prefix, self.dtype, self.device)
+        pos = tree_position_ids(anc, prefix)
+        mask = None if causal else tree_attention_mask(anc, prefix, self.dtype)
         return self.forward(ids, cache, position_ids=pos, attention_mask=mask)
 
 
-def compact_cache(cache: DynamicCache, prefix_len: int, keep_nodes: list[int], num_nodes: int) -> None:
-    """Keep the prefix, the root (at prefix_len) and the accepted nodes (at prefix_len + 1 + i); drop the rest."""
-    if keep_nodes == list(range(len(keep_nodes))):  # a contiguous run after the root: a crop is enough
-        cache.crop(-(num_nodes - len(keep_nodes)))
-        return
+def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor, contiguous: bool) -> None:
+    """Keep the prefix, the root (at prefix_len) and the accepted nodes keep [A] (node i at prefix_len + 1 + i, in
+    path order); drop the rest. The A accepted entries are copied into place behind the root, then every layer is
+    cropped: O(A) copies per layer, whatever the context. contiguous: the path is nodes 0..A-1 (a crop is enough).
+    Each layer's index lives on that layer's device (a target spread over several devices)."""
     first = prefix_len + 1
-    idx = torch.tensor(list(range(first)) + [first + i for i in keep_nodes], device=cache.layers[0].keys.device)
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
+    a = keep.shape[0]
+    if not contiguous:
+        src = keep + first  # [A] where the accepted entries were written
+        for layer in cache.layers:
+            idx = src.to(layer.keys.device, non_blocking=True)
+            layer.keys[..., first : first + a, :] = layer.keys.index_select(-2, idx)
+            layer.values[..., first : first + a, :] = layer.values.index_select(-2, idx)
+    cache.crop(first + a - cache.get_seq_length())  # transformers' crop takes minus the number of entries to drop
 
 
 def cache_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

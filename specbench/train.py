@@ -9,7 +9,7 @@
    fp32/TF32 or bf16 autocast; DDP under torchrun (gloo on CPU, nccl on CUDA);
 4. after every epoch: per-position acceptance with the drafter running on its own predictions, the simulated tau,
    training tokens/s and peak memory, logged to <out>/log.jsonl; a resumable `last` checkpoint; `final` at the end.
-Each method supplies only build_module / training_loss / chain_predict (drafters/base.py: TrainableDrafter).
+Each method supplies only build_module / training_loss / chain_predict (specbench/drafter.py: TrainableDrafter).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from drafters.base import KV, TrainableDrafter
+from specbench.drafter import KV, TrainableDrafter
 from specbench import envinfo
 from specbench.checkpoints import load_checkpoint, read_meta, save_checkpoint, target_fingerprint
 from specbench.config import ModelConfig, TrainConfig, register_schema, to_dataclass
@@ -44,7 +44,7 @@ from specbench.models import chat_prompt_ids, load_model
 from specbench.run import cli, fail
 from specbench.selfdistill import target_answers
 from specbench.target import TargetModel
-from drafters.base import NoDrafter
+from specbench.drafter import NoDrafter
 from specbench.types import SamplingParams
 
 log = logging.getLogger("specbench.train")

@@ -2,6 +2,9 @@
 
 Row 0 of every tree forward is the root (the last verified token); rows 1..N are the drafted nodes. Node i sees the
 cached prefix, the root, its ancestors and itself (SpecInfer / Medusa / EAGLE tree attention).
+
+The forward's geometry is computed on the device from the parents tensor (no host transfer, no per-node Python);
+`node_depths` / `is_chain` are the host-side versions the engine's bookkeeping uses once the step's outcome is read.
 """
 from __future__ import annotations
 
@@ -23,36 +26,30 @@ def is_chain(parents: list[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 
 
-def ancestor_matrix(parents: list[int]) -> torch.Tensor:
-    """anc[r, c] = True when row c is row r or one of its ancestors (row 0 = root, row i+1 = node i). [N+1, N+1]"""
-    n = len(parents)
-    anc = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    anc[0, 0] = True
-    for i, p in enumerate(parents):
-        anc[i + 1] = anc[p + 1]
-        anc[i + 1, i + 1] = True
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """anc[r, c] = True when row c is row r or one of its ancestors (row 0 = root, row i+1 = node i).
+    parents [N] (-1 = the root) -> [N+1, N+1] bool, on parents' device.
+
+    Pointer doubling: after j rounds anc[r] holds r's ancestors less than 2^j levels up and up[r] is its 2^j-th
+    ancestor (the root being its own parent), so ceil(log2(N+1)) rounds of tensor ops cover any depth <= N."""
+    n = parents.shape[0]
+    up = torch.cat([parents.new_zeros(1), parents + 1])  # [N+1] parent row of every row
+    anc = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
+    for _ in range(n.bit_length()):
+        anc = anc | anc[up]
+        up = up[up]
     return anc
 
 
-def tree_attention_mask(
-    parents: list[int], prefix_len: int, dtype: torch.dtype, device: torch.device | str
-) -> torch.Tensor:
-    """Additive mask for the tree forward: 0 where attention is allowed, dtype-min elsewhere. [1, 1, N+1, prefix+N+1]"""
-    anc = ancestor_matrix(parents).to(device)
+def tree_attention_mask(anc: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask for the tree forward: 0 where attention is allowed, dtype-min elsewhere.
+    anc [N+1, N+1] (ancestor_matrix) -> [1, 1, N+1, prefix+N+1]."""
     n1 = anc.shape[0]
-    mask = torch.zeros(1, 1, n1, prefix_len + n1, dtype=dtype, device=device)
+    mask = torch.zeros(1, 1, n1, prefix_len + n1, dtype=dtype, device=anc.device)
     mask[0, 0, :, prefix_len:].masked_fill_(~anc, torch.finfo(dtype).min)
     return mask
 
 
-def tree_position_ids(parents: list[int], prefix_len: int, device: torch.device | str) -> torch.Tensor:
-    """Position of the root = prefix_len; of a node = prefix_len + depth. [1, N+1]"""
-    return torch.tensor([[prefix_len] + [prefix_len + d for d in node_depths(parents)]], device=device)
-
-
-def children_lists(parents: list[int]) -> list[list[int]]:
-    """children[r] for r in rows (0 = root, i+1 = node i), in node order."""
-    kids: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for i, p in enumerate(parents):
-        kids[p + 1].append(i)
-    return kids
+def tree_position_ids(anc: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Position of the root = prefix_len; of a node = prefix_len + depth (its number of ancestors). [1, N+1]"""
+    return (prefix_len - 1 + anc.sum(-1))[None]

@@ -34,6 +34,8 @@ class DraftTree:
     tokens: torch.Tensor  # [B, N] int64 drafted token ids
     parents: torch.Tensor  # [B, N] int64, -1 = the root (the last verified token, not yet in the target cache)
     draft_probs: torch.Tensor | None = None  # [B, N, V] q that node i was sampled from; None = deterministic (q=1)
+    is_chain: bool = False  # parents are [-1, 0, ..., N-2], known without reading them: verified with the causal mask
+
 
     @property
     def num_nodes(self) -> int:
@@ -42,14 +44,14 @@ class DraftTree:
     @staticmethod
     def empty(batch: int = 1, device: torch.device | str = "cpu") -> "DraftTree":
         z = torch.zeros(batch, 0, dtype=torch.long, device=device)
-        return DraftTree(tokens=z, parents=z.clone())
+        return DraftTree(tokens=z, parents=z.clone(), is_chain=True)
 
     @staticmethod
     def chain(tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """tokens: [B, N] drafted one after another."""
         b, n = tokens.shape
         parents = torch.arange(-1, n - 1, device=tokens.device).expand(b, n).clone()
-        return DraftTree(tokens=tokens, parents=parents, draft_probs=draft_probs)
+        return DraftTree(tokens=tokens, parents=parents, draft_probs=draft_probs, is_chain=True)
 
 
 @dataclass

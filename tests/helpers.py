@@ -6,7 +6,7 @@ import random
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafters.base import Drafter
+from specbench.drafter import Drafter
 from specbench.engine import Engine
 from specbench.target import TargetModel
 from specbench.types import DraftTree, SamplingParams, TargetState, VerifyResult

@@ -8,7 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from drafters.base import HIDDEN, KV, Drafter
+from specbench.drafter import HIDDEN, KV, Drafter
 from specbench.config import register_schema
 from specbench.engine import Engine
 from specbench.run import inference_spec

@@ -16,11 +16,15 @@ from specbench.tree import node_depths
 def expander(vocab: int, seed: int, calls: list):
     g = torch.Generator().manual_seed(seed)
 
-    def expand(nodes, tokens, parents):
-        calls.append((list(nodes), list(parents)))
-        return torch.randn(len(nodes), vocab, generator=g) * 3
+    def expand(level):
+        calls.append((level.nodes.tolist(), level.parents.tolist()))
+        return torch.randn(level.nodes.shape[0], vocab, generator=g) * 3
 
     return expand
+
+
+def lists(grown):
+    return grown.tokens.tolist(), grown.parents.tolist()
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -28,10 +32,10 @@ def expander(vocab: int, seed: int, calls: list):
 def test_dynamic_tree_keeps_the_best_ancestor_closed_nodes(seed, depth, topk, total):
     calls = []
     root = torch.randn(50, generator=torch.Generator().manual_seed(100 + seed)) * 3
-    grown = DynamicTree(depth, topk, total).grow(root, expander(50, seed, calls))
-    n = len(grown.tokens)
+    tokens, parents = lists(DynamicTree(depth, topk, total).grow(root, expander(50, seed, calls)))
+    n = len(tokens)
     assert n == min(total, topk + (depth - 1) * topk * topk)
-    d = node_depths(grown.parents)  # raises unless topological
+    d = node_depths(parents)  # raises unless topological
     assert max(d) <= depth
     assert len(calls) == depth - 1 and all(len(nodes) == topk for nodes, _ in calls)
     # every expansion feeds nodes of one depth whose parents were expanded earlier
@@ -40,7 +44,7 @@ def test_dynamic_tree_keeps_the_best_ancestor_closed_nodes(seed, depth, topk, to
         assert set(parents) <= expanded
         expanded |= set(nodes)
     # the root's top-k children are its k most likely tokens
-    kids = [t for t, p in zip(grown.tokens, grown.parents) if p == -1]
+    kids = [t for t, p in zip(tokens, parents) if p == -1]
     assert set(kids) <= set(root.topk(topk).indices.tolist())
 
 
@@ -49,21 +53,20 @@ def test_dynamic_tree_rerank_prefers_likely_paths():
     root = torch.full((20,), -10.0)
     root[3] = 10.0
 
-    def expand(nodes, tokens, parents):
-        out = torch.full((len(nodes), 20), -10.0)
+    def expand(level):
+        out = torch.full((level.nodes.shape[0], 20), -10.0)
         out[:, 5] = 10.0
         return out
 
-    grown = DynamicTree(depth=5, topk=3, total_tokens=6).grow(root, expand)
-    chain = [t for t, p in zip(grown.tokens, grown.parents)]
-    assert max(node_depths(grown.parents)) == 5 and chain[0] == 3 and chain.count(5) >= 4
+    chain, parents = lists(DynamicTree(depth=5, topk=3, total_tokens=6).grow(root, expand))
+    assert max(node_depths(parents)) == 5 and chain[0] == 3 and chain.count(5) >= 4
 
 
 def test_static_tree_follows_its_paths():
     paths = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     calls = []
     grown = StaticTree(paths).grow(torch.randn(30), expander(30, 0, calls))
-    assert grown.parents == sorted_paths(paths)[1] == [-1, -1, 0, 0, 1, 2]
+    assert grown.parents.tolist() == sorted_paths(paths)[1] == [-1, -1, 0, 0, 1, 2]
     assert [len(nodes) for nodes, _ in calls] == [2, 1]  # depth 2 expands nodes 0 and 1, depth 3 expands node 2
 
 
@@ -107,7 +110,6 @@ def test_sd_tree_rows_equal_a_plain_forward(kind):
     expanded node's next-token logits equal the model's plain forward over the verified tokens and the node's path,
     and the drafted entries are cropped off afterwards. Over two proposals, so the second starts from a used cache."""
     from drafters.sd import IndependentDrafter
-    from drafters.trees import GrowingTree
     from specbench.types import TargetState
     from tests.helpers import tiny_target
 
@@ -122,10 +124,13 @@ def test_sd_tree_rows_equal_a_plain_forward(kind):
         def __init__(self, policy):
             self.policy = policy
 
+        def __getattr__(self, name):
+            return getattr(self.policy, name)
+
         def grow(self, root_logits, expand):
-            def rec(nodes, tokens, parents):
-                logits = expand(nodes, tokens, parents)
-                seen.append((nodes, tokens, parents, logits.clone()))
+            def rec(level):
+                logits = expand(level)
+                seen.append((level.nodes.tolist(), level.tokens.tolist(), level.parents.tolist(), logits.clone()))
                 return logits
             return self.policy.grow(root_logits, rec)
 
@@ -137,12 +142,15 @@ def test_sd_tree_rows_equal_a_plain_forward(kind):
         seen.clear()
         drafter.propose(TargetState(tokens=tokens, hidden=None, kv=None))
         assert seen and drafter.cache.get_seq_length() == tokens.shape[1]
-        book, tok = GrowingTree(), {}
+        parent_of, tok = {}, {}
         for nodes, toks, parents, logits in seen:
-            book.add(nodes, parents, 0)
+            parent_of.update(zip(nodes, parents))
             tok.update(zip(nodes, toks))
             for node, row in zip(nodes, logits):
-                path = [tok[a] for a in reversed(book.lineage(node))]
+                path, a = [], node
+                while a >= 0:
+                    path.insert(0, tok[a])
+                    a = parent_of[a]
                 ids = torch.cat([tokens, torch.tensor([path])], 1)
                 ref = drafter.model(input_ids=ids).logits[0, -1]
                 torch.testing.assert_close(row, ref, rtol=1e-4, atol=1e-4)
@@ -167,20 +175,20 @@ def test_static_tree_config_is_eagle1s_mc_sim_7b_63(seed):
     root = torch.randn(40, generator=g) * 3
     seen = {}
 
-    def expand(nodes, tokens, parents):
-        logits = torch.randn(len(nodes), 40, generator=g) * 3
-        seen.update({n: row for n, row in zip(nodes, logits)})
+    def expand(level):
+        logits = torch.randn(level.nodes.shape[0], 40, generator=g) * 3
+        seen.update({n: row for n, row in zip(level.nodes.tolist(), logits)})
         return logits
 
-    grown = policy.grow(root, expand)
-    d = node_depths(grown.parents)
-    assert len(grown.tokens) == 25 and max(d) == 5
+    tokens, parents = lists(policy.grow(root, expand))
+    d = node_depths(parents)
+    assert len(tokens) == 25 and max(d) == 5
     assert [d.count(k) for k in range(1, 6)] == [4, 8, 8, 3, 2]
     # the authors' convention: path p's token is the rank-p[-1] token of its parent's draft distribution
     for i, p in enumerate(policy.paths):
-        parent_logits = root if grown.parents[i] == -1 else seen[grown.parents[i]]
-        assert grown.tokens[i] == parent_logits.topk(4).indices[p[-1]].item()
-        assert p[:-1] == (policy.paths[grown.parents[i]] if grown.parents[i] >= 0 else [])
+        parent_logits = root if parents[i] == -1 else seen[parents[i]]
+        assert tokens[i] == parent_logits.topk(4).indices[p[-1]].item()
+        assert p[:-1] == (policy.paths[parents[i]] if parents[i] >= 0 else [])
 
 
 # each paper experiment's tree for its tree drafters (conf/experiment/*.yaml; depth as DynamicTree counts it)
@@ -214,3 +222,74 @@ def test_each_experiment_decodes_with_its_papers_tree(experiment):
                 assert (policy.depth, policy.topk, policy.total) == (tree["depth"], tree["topk"], tree["total_tokens"])
             else:
                 assert drafter in ("none", "pld", "sd", "medusa"), drafter
+
+
+# ---- the policies as they were written before they ran on the device (lists on the host, one read per node):
+# the device versions must grow the same trees, token for token. expand(nodes, their tokens, their depth).
+def reference_static(policy, root_logits, expand):
+    tokens = [0] * len(policy.paths)
+    top = root_logits.topk(policy.width).indices.tolist()
+    for i, p in enumerate(policy.paths):
+        if len(p) == 1:
+            tokens[i] = top[p[0]]
+    for d in range(2, policy.depth + 1):
+        kids = [i for i, p in enumerate(policy.paths) if len(p) == d]
+        feed = sorted({policy.parents[i] for i in kids})
+        top = expand(feed, [tokens[i] for i in feed], d - 1).topk(policy.width, dim=-1).indices.tolist()
+        for i in kids:
+            tokens[i] = top[feed.index(policy.parents[i])][policy.paths[i][-1]]
+    return tokens, list(policy.parents)
+
+
+def reference_dynamic(policy, root_logits, expand):
+    k = min(policy.topk, root_logits.shape[-1])
+    logp = root_logits.float().log_softmax(-1).topk(k)
+    tokens, parents = logp.indices.tolist(), [-1] * k
+    scores = logp.values.tolist()
+    frontier = list(range(k))
+    for depth in range(1, policy.depth):
+        logits = expand(frontier, [tokens[i] for i in frontier], depth)
+        child = logits.float().log_softmax(-1).topk(k, dim=-1)
+        base = torch.tensor([scores[i] for i in frontier])[:, None] + child.values
+        first = len(tokens)
+        for r, parent in enumerate(frontier):
+            tokens += child.indices[r].tolist()
+            parents += [parent] * k
+        scores += base.reshape(-1).tolist()
+        frontier = [first + j for j in base.reshape(-1).topk(min(k, base.numel())).indices.tolist()]
+    keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: policy.total])
+    new = {old: n for n, old in enumerate(keep)}
+    return [tokens[i] for i in keep], [new[parents[i]] if parents[i] >= 0 else -1 for i in keep]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("tree", [
+    {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60},
+    {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62},
+    {"kind": "dynamic", "depth": 4, "topk": 3, "total_tokens": 100},
+    {"kind": "dynamic", "depth": 5, "topk": 1, "total_tokens": 3},
+    {"kind": "static", "paths": MC_SIM_7B_63},
+    {"kind": "static", "paths": [[0], [0, 0], [0, 0, 0]]},
+])
+def test_device_policies_grow_the_host_policies_trees(seed, tree):
+    """Token for token and parent for parent, with integer logits so that ties (which the rerank breaks towards the
+    earlier node) are frequent; every expand is fed the same nodes, tokens and depth."""
+    g = torch.Generator().manual_seed(seed)
+    root = (torch.randn(40, generator=g) * 2).round()
+    table = (torch.randn(4096, 40, generator=g) * 2).round()  # a node's logits: a row picked by its id, token, depth
+    policy = make_tree(**tree)
+    ours_calls, ref_calls = [], []
+
+    def ours(level):
+        ours_calls.append((level.nodes.tolist(), level.tokens.tolist(), level.depth))
+        return table[(level.tokens * 7 + level.depth * 131 + level.nodes) % 4096]
+
+    def ref(nodes, tokens, depth):
+        ref_calls.append((list(nodes), list(tokens), depth))
+        return table[torch.tensor([(t * 7 + depth * 131 + v) % 4096 for v, t in zip(nodes, tokens)])]
+
+    grown = policy.grow(root, ours)
+    want = (reference_static if tree["kind"] == "static" else reference_dynamic)(policy, root, ref)
+    assert lists(grown) == want
+    assert ours_calls == ref_calls
+    assert grown.is_chain == (want[1] == list(range(-1, len(want[1]) - 1)))

@@ -1,0 +1,126 @@
+"""The Drafter protocol: the drafter only proposes and observes; the engine owns the target, its cache and verification.
+
+Lifecycle per generation (one prompt turn):
+    drafter.prefill(state)            # after the target prefilled the prompt
+    loop:
+        tree = drafter.propose(state)  # a DraftTree (chain, static tree or dynamic tree)
+        ...engine verifies...
+        drafter.on_verified(result, state)  # roll back / extend the drafter's own cache
+
+A drafter declares in `needs` which target outputs it reads from TargetState ("hidden": last hidden states,
+"kv": the target's per-layer key/values). It never calls the target or touches the target's cache; reading the
+target's frozen weights (embeddings, LM head) at construction is allowed and is how EAGLE-style drafters share them.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+from specbench.types import DraftTree, TargetState, VerifyResult
+
+HIDDEN = "hidden"
+KV = "kv"
+
+
+class Drafter(ABC):
+    needs: ClassVar[frozenset[str]] = frozenset()
+    #: name recorded in results
+    name: ClassVar[str] = "drafter"
+
+    @abstractmethod
+    def prefill(self, state: TargetState) -> None:
+        """Start a new generation: state.tokens is the prompt plus the first generated token (the root)."""
+
+    @abstractmethod
+    def propose(self, state: TargetState) -> DraftTree:
+        """Draft the next tree below state.tokens[:, -1]."""
+
+    @abstractmethod
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        """Observe what was kept: state.tokens now ends with the accepted tokens and the bonus/recovered token."""
+
+
+class NoDrafter(Drafter):
+    """The autoregressive baseline: the same engine with an empty tree, so every step is one target forward."""
+
+    name = "none"
+
+    def __init__(self, target: object = None):
+        del target  # needs nothing from the target
+
+    def prefill(self, state: TargetState) -> None:
+        pass
+
+    def propose(self, state: TargetState) -> DraftTree:
+        return DraftTree.empty(state.tokens.shape[0], state.tokens.device)
+
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        pass
+
+
+class TrainableDrafter(Drafter):
+    """A drafter with trained weights. Each method supplies only its module, its loss and its own-prediction chain;
+    the shared trainer (specbench/train.py) does data, features, optimisation, validation, checkpoints and DDP.
+
+    Training batches (specbench.train.Batch) carry, right-padded to the longest sequence:
+      input_ids [B, T], loss_mask [B, T] (1 on assistant tokens), attn_mask [B, T] (1 on real tokens),
+      hidden [B, T, H] (the frozen target's last hidden states, clean: targets), hidden_in [B, T, H] (the same with the
+      configured noise: inputs).
+    `training_loss` must call `module(...)` once for everything it trains (DDP synchronises gradients in forward).
+    """
+
+    @classmethod
+    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> "torch.nn.Module":
+        """The decoding-time module: built from the checkpoint's recorded options and loaded with its weights
+        (refused for another target), or, without a checkpoint, freshly built from `options` (untrained)."""
+        from pathlib import Path
+
+        from specbench.checkpoints import load_checkpoint, read_meta
+
+        options = dict(options or {})
+        if checkpoint:
+            options = read_meta(Path(checkpoint)).get("module", options)
+        module = cls.build_module(target, **cls.decoding_options(options))
+        if checkpoint:
+            load_checkpoint(Path(checkpoint), module, target, cls.name)
+        return module.eval().requires_grad_(False)
+
+    @classmethod
+    def decoding_options(cls, options: dict) -> dict:
+        """The recorded module options a checkpoint is rebuilt with for decoding (training-only ones dropped)."""
+        return options
+
+    @classmethod
+    @abstractmethod
+    def build_module(cls, target, **options) -> "torch.nn.Module":
+        """Fresh trainable weights for `target` (frozen target weights may be copied or referenced, never trained)."""
+
+    @classmethod
+    @abstractmethod
+    def training_loss(cls, module, batch, target) -> tuple["torch.Tensor", dict[str, float]]:
+        """Scalar loss and named parts (for the logs)."""
+
+    @classmethod
+    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple["torch.Tensor", dict[str, float]]]:
+        """The losses of one batch as independent graphs, backpropagated one after another (gradients accumulate):
+        by default the single `training_loss`. `epoch` lets staged methods (Beagle) switch objectives."""
+        del epoch
+        yield cls.training_loss(module, batch, target)
+
+    @classmethod
+    def validation_extras(cls, module, val, target) -> dict:
+        """Method-specific numbers measured after each epoch on the held-out items `val` (FeatureSet.load dicts),
+        logged with the epoch's row and kept in the checkpoint's metrics (Medusa: its heads' top-k accuracies)."""
+        del module, val, target
+        return {}
+
+    @classmethod
+    @abstractmethod
+    def chain_predict(cls, module, input_ids, hidden, positions, depth: int, target) -> "torch.Tensor":
+        """Greedy chain drafting on the drafter's own predictions, for validation: for each root position t in
+        `positions` (the root is input_ids[t]; target hidden states are known for tokens < t), the `depth` tokens the
+        drafter proposes for t+1 .. t+depth. input_ids [T], hidden [T, H] -> [P, depth]."""
