@@ -80,10 +80,14 @@ class TrainableDrafter(Drafter):
         from pathlib import Path
 
         from specbench.checkpoints import load_checkpoint, read_meta
+        from specbench.errors import SpecbenchError
 
         options = dict(options or {})
         if checkpoint:
-            options = read_meta(Path(checkpoint)).get("module", options)
+            meta = read_meta(Path(checkpoint))
+            if meta.get("drafter") != cls.name:  # before its options build a module they do not fit
+                raise SpecbenchError(f"checkpoint {checkpoint} is a {meta.get('drafter')!r} drafter, not {cls.name!r}")
+            options = meta.get("module", options)
         module = cls.build_module(target, **cls.decoding_options(options))
         if checkpoint:
             load_checkpoint(Path(checkpoint), module, target, cls.name)

@@ -1,8 +1,10 @@
 """`make figures` (`python -m specbench.report`): every paper table and figure, from the records in results/ only.
 
 For each experiment directory results/<experiment>/ that holds runs, the tables its experiment defines (TABLES):
-markdown and LaTeX with the paper's rows and columns, our numbers, and in the caption the paper's draft tree, the
-tree (or chain) each drafter's runs decoded with (from their run.json) and the device and commit(s) of the runs; runs
+markdown and LaTeX with the paper's rows and columns, our numbers, and in the caption the model, its dtype and the
+budget, the paper's draft tree, the tree (or chain) each drafter's runs decoded with (from their run.json) and the
+device(s) and commit(s) of the runs. Runs of different models (or dtypes, or presets) never share a table: each gets
+its own files, `<table>.<model>.md` (the dtype and budget added where one model has several); runs
 that do not exist are shown as "–" (never as zeros). Figures (matplotlib, PNG) for the training
 curves (results/training/), the Leviathan speedup-vs-alpha curves with our measured chain points, the draft / verify
 cost decomposition and the training-memory-vs-steps result (results/trainmem/). Output is deterministic: running it
@@ -95,23 +97,52 @@ def _at(xs, i):
     return xs[i] if xs and i < len(xs) else None
 
 
-def load_runs(exp_dir: Path) -> dict[tuple[str, str, float], dict]:
-    """(drafter, dataset, temperature) -> summary + header, from every finished run of the experiment. Where several
-    runs fill one cell (the drafter's weights or options changed since: a new config hash), the newest run does."""
-    runs = {}
+@dataclass(frozen=True, order=True)
+class Setting:
+    """What must be equal for runs to share a table: the model, its dtype, and the preset's budget (new tokens per
+    turn, questions per set). Runs of different settings never share a table."""
+
+    model: str
+    dtype: str
+    max_new_tokens: int
+    limit: int | None
+
+    @staticmethod
+    def of(head: dict) -> "Setting":
+        cfg = head["config"]
+        return Setting(cfg["model"]["name"], cfg["model"].get("dtype", "float32"),
+                       int(cfg["decoding"]["max_new_tokens"]), cfg["dataset"].get("limit"))
+
+    def describe(self) -> str:
+        sets = f"the first {self.limit} questions per set" if self.limit else "full question sets"
+        return f"model {self.model} ({self.dtype}), {self.max_new_tokens} new tokens per turn, {sets}"
+
+
+def load_runs(exp_dir: Path) -> dict[Setting, dict[tuple[str, str, float], dict]]:
+    """Per setting, (drafter, dataset, temperature) -> summary + header, from every finished run of the experiment.
+    Where several runs fill one cell (the drafter's weights or options changed since: a new config hash), the newest
+    run does."""
+    settings: dict[Setting, dict] = {}
     for run in sorted(exp_dir.glob("*/summary.json")):
         s = json.loads(run.read_text())
         head = json.loads((run.parent / "run.json").read_text())
+        runs = settings.setdefault(Setting.of(head), {})
         key = (s["drafter"], s["dataset"], float(s["temperature"]))
         if key not in runs or (head["date"], run.parent.name) > (runs[key]["_head"]["date"], runs[key]["run"]):
             runs[key] = {**s, "_head": head}
-    return runs
+    return settings
+
+
+def device_of(run: dict) -> str:
+    env = run["_head"]["env"]
+    return env.get("gpu") or env.get("cpu") or "?"
 
 
 def provenance(runs: list[dict]) -> str:
-    devices = sorted({r["_head"]["env"].get("gpu") or r["_head"]["env"].get("cpu") or "?" for r in runs})
+    devices = sorted({device_of(r) for r in runs})
     commits = sorted({(r["_head"]["git"].get("commit") or "?")[:7] for r in runs})
-    return f"device: {', '.join(devices)}; commit(s): {', '.join(commits)}"
+    mixed = " (the runs come from different devices: speeds are not comparable across them)" if len(devices) > 1 else ""
+    return f"device: {', '.join(devices)}{mixed}; commit(s): {', '.join(commits)}"
 
 
 def static_tree(paths: list, name: str | None = None) -> str:
@@ -176,7 +207,7 @@ def mean_cell(summaries: list[dict | None], metric: str) -> str:
     return MISSING if not vs or None in vs else METRICS[metric][2].format(sum(vs) / len(vs))
 
 
-def render(table: Table, runs: dict) -> tuple[str, str]:
+def render(table: Table, runs: dict, setting: Setting) -> tuple[str, str]:
     groups = [(d, t) for d in table.datasets for t in table.temperatures]
     label = (lambda d, t: d if len(table.temperatures) == 1 else f"{d} T={t:g}")
     head = ["method"] + [f"{label(d, t)} {METRICS[m][0]}" for d, t in groups for m in table.metrics]
@@ -189,7 +220,8 @@ def render(table: Table, runs: dict) -> tuple[str, str]:
                     for t in table.temperatures for m in table.metrics]
     used = [runs[k] for k in sorted(runs) if k[0] in table.drafters and k[1] in table.datasets]
     ours = trees(table, used)
-    caption = (f"{table.caption}. " + (f"The paper's tree: {table.paper_tree}. " if table.paper_tree else "")
+    caption = (f"{table.caption}; {setting.describe()}. "
+               + (f"The paper's tree: {table.paper_tree}. " if table.paper_tree else "")
                + (f"Trees of these runs: {ours}. " if ours else "") + f"{provenance(used) if used else 'no runs yet'}.")
     md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
@@ -206,7 +238,7 @@ def save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def figure_leviathan(runs: dict, out: Path) -> None:
+def figure_leviathan(runs: dict, out: Path, stem: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [i / 100 for i in range(1, 100)]
     for gamma, c in [(1, 0.05), (3, 0.05), (5, 0.05), (3, 0.3), (5, 0.3)]:
@@ -221,10 +253,10 @@ def figure_leviathan(runs: dict, out: Path) -> None:
     ax.set_xlabel("α (mean acceptance)"), ax.set_ylabel("speedup")
     ax.set_title("Leviathan et al. speedup vs α; points: our chain runs (measured)")
     ax.legend(fontsize=6)
-    save(fig, out / "leviathan.png")
+    save(fig, out / f"leviathan.{stem}.png")
 
 
-def figure_cost(runs: dict, out: Path, dataset: str) -> None:
+def figure_cost(runs: dict, out: Path, dataset: str, stem: str) -> None:
     items = [(d, s) for (d, ds, t), s in sorted(runs.items()) if ds == dataset and t == 0 and s.get("steps")]
     if not items:
         return
@@ -238,7 +270,7 @@ def figure_cost(runs: dict, out: Path, dataset: str) -> None:
     ax.legend(fontsize=7)
     plt.setp(ax.get_xticklabels(), rotation=30, fontsize=7)
     fig.tight_layout()
-    save(fig, out / f"cost_{dataset}.png")
+    save(fig, out / f"cost_{dataset}.{stem}.png")
 
 
 def training_curves(root: Path, out: Path) -> None:
@@ -290,24 +322,36 @@ def trainmem(root: Path) -> None:
         save(fig, f.parent / "trainmem.png")
 
 
+def file_stem(setting: Setting, settings: dict) -> str:
+    """Tables and figures are named by their model; the dtype and budget are added only where the same model has runs
+    of several settings in the experiment."""
+    same_model = [x for x in settings if x.model == setting.model]
+    if len(same_model) == 1:
+        return setting.model
+    limit = f".{setting.limit}q" if setting.limit else ".full"
+    return f"{setting.model}.{setting.dtype}.{setting.max_new_tokens}tok{limit}"
+
+
 def report(results: Path) -> list[Path]:
     written = []
     for exp, tables in sorted(TABLES.items()):
         exp_dir = results / exp
         if not exp_dir.is_dir():
             continue
-        runs = load_runs(exp_dir)
-        for table in tables:
-            md, tex = render(table, runs)
-            for suffix, text in ((".md", md), (".tex", tex)):
-                path = exp_dir / f"{table.name}{suffix}"
-                path.write_text(text)
-                written.append(path)
-        if exp == "eagle_alpha":
-            figure_leviathan(runs, exp_dir)
-        if exp == "beagle_table1":
-            for ds in ("mtbench", "gsm8k", "cnndm"):
-                figure_cost(runs, exp_dir, ds)
+        settings = load_runs(exp_dir)
+        for setting, runs in sorted(settings.items()):
+            stem = file_stem(setting, settings)
+            for table in tables:
+                md, tex = render(table, runs, setting)
+                for suffix, text in ((".md", md), (".tex", tex)):
+                    path = exp_dir / f"{table.name}.{stem}{suffix}"
+                    path.write_text(text)
+                    written.append(path)
+            if exp == "eagle_alpha":
+                figure_leviathan(runs, exp_dir, stem)
+            if exp == "beagle_table1":
+                for ds in ("mtbench", "gsm8k", "cnndm"):
+                    figure_cost(runs, exp_dir, ds, stem)
     training_curves(results / "training", results / "training")
     trainmem(results / "trainmem")
     return written

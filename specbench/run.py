@@ -12,6 +12,8 @@ from typing import Any
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -25,6 +27,7 @@ from specbench.errors import SpecbenchError
 from specbench.metrics import PeakMemory, summarize
 from specbench.models import chat_prompt_ids, load_model
 from specbench.records import RunDir, atomic_write_json
+from specbench.sweep import missing_weights, record_failure
 from specbench.target import TargetModel
 
 log = logging.getLogger("specbench")
@@ -144,6 +147,9 @@ class Runner:
             raise SpecbenchError(f"drafter {node.get('name')!r} could not be built: {cause}") from None
 
     def execute(self) -> RunDir:
+        problem = missing_weights(self.cfg)
+        if problem:  # before the baseline: a job that cannot run its drafter decodes nothing
+            raise SpecbenchError(problem)
         baseline_node = OmegaConf.load(CONF_DIR / "drafter" / "none.yaml")
         baseline_dir, _ = self.run_dir_for(baseline_node)
         is_baseline = self.cfg.drafter.name == "none"
@@ -158,6 +164,11 @@ class Runner:
         run_dir, drafter_spec = self.run_dir_for(node)
         done = run_dir.done_keys()
         todo = [(r, q) for r in range(self.bench.repeats) for q in self.questions if (r, q.question_id) not in done]
+        # the drafter is built (its weights loaded and checked) before anything is written: a drafter that cannot
+        # load leaves no run directory behind
+        if todo:
+            torch.manual_seed(self.cfg.seed)  # untrained modules (a test's) are built from the run's seed
+        drafter = self.make_drafter(node) if todo else None
         if not run_dir.exists():
             atomic_write_json(run_dir.run_json, {
                 "run": run_dir.path.name,
@@ -170,8 +181,7 @@ class Runner:
                 "versions": envinfo.versions(),
             })
         if todo:
-            torch.manual_seed(self.cfg.seed)
-            engine = Engine(self.target, self.make_drafter(node), self.decoding.sampling())
+            engine = Engine(self.target, drafter, self.decoding.sampling())
             self._decode(run_dir, engine, todo, baseline, node.name)
         base_records = baseline.records() if baseline else None
         summary = {"run": run_dir.path.name, "drafter": node.name, "dataset": self.dataset_cfg.name,
@@ -253,10 +263,16 @@ def cli(hydra_entry) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
+    hc = HydraConfig.get()
     try:
         Runner(cfg).execute()
-    except SpecbenchError as e:
-        fail(e)
+    except Exception as e:  # noqa: BLE001 - in a sweep, any failed job is recorded and the sweep goes on
+        if hc.mode != RunMode.MULTIRUN:
+            if isinstance(e, SpecbenchError):
+                fail(e)
+            raise
+        log.exception("job #%s failed (the sweep goes on; it will exit non-zero): %s", hc.job.num, e)
+        record_failure(hc.sweep.dir, hc.job.num, list(hc.overrides.task), e)
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from specbench.records import read_jsonl
-from specbench.report import TABLES, Table, load_runs, render, report, tree_of
+from specbench.report import TABLES, Setting, Table, load_runs, render, report, tree_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,6 +21,13 @@ def sweep(tmp_path, tiny_checkpoint, question_file):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     return sorted((tmp_path / "results" / "eagle_alpha").glob("*/records.jsonl"))
+
+
+def only(exp_dir):
+    """The one setting of an experiment's runs and its runs."""
+    settings = load_runs(exp_dir)
+    assert len(settings) == 1, settings.keys()
+    return next(iter(settings.items()))
 
 
 def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp_path, tiny_checkpoint, question_file):
@@ -37,26 +44,28 @@ def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp
         assert len(keys) == len(set(keys)) == len(full[p])
     results = tmp_path / "results"
     written = report(results)
-    table = (results / "eagle_alpha" / "alpha.md").read_text()
+    table = (results / "eagle_alpha" / "alpha.tiny.md").read_text()
     # the tiny runs use dataset "jsonl", not the paper's sets: every cell of the paper's table is missing, not zero
     assert "no runs yet" in table and "| pld | – |" in table and "0.00" not in table
     assert "The paper's tree: chains" in table.splitlines()[0]  # every caption names the tree
-    md, tex = render(Table("t", "c", ("none", "pld", "eagle"), ("jsonl",), ("tau", "a0")),
-                     load_runs(results / "eagle_alpha"))
+    # ... and the model, its dtype and the budget
+    assert "model tiny (float32), 16 new tokens per turn, the first 3 questions per set." in table.splitlines()[0]
+    setting, runs_ = only(results / "eagle_alpha")
+    md, tex = render(Table("t", "c", ("none", "pld", "eagle"), ("jsonl",), ("tau", "a0")), runs_, setting)
     rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
     assert "device:" in md and "commit(s):" in md and r"\toprule" in tex
     assert "Trees of these runs: pld: prompt lookup, up to 10 tokens." in md.splitlines()[0]  # from the run's config
     assert "Trees of these runs: pld: prompt lookup" in tex
     assert rows["none"].startswith("| none | 1.00 |") and rows["eagle"] == "| eagle | – | – |"
     assert float(rows["pld"].split(" | ")[1]) > 1.0
-    md, _ = render(Table("t", "c", ("none", "pld"), ("jsonl",), ("draft_ms", "verify_ms")), load_runs(results / "eagle_alpha"))
+    md, _ = render(Table("t", "c", ("none", "pld"), ("jsonl",), ("draft_ms", "verify_ms")), runs_, setting)
     pld_row = next(line for line in md.splitlines() if line.startswith("| pld |")).split(" | ")
     assert float(pld_row[1]) >= 0.0 and float(pld_row[2].rstrip(" |")) > 0.0  # Td, Tv read from the records
     # the paper's Mean column: the mean over the datasets, and missing (not a partial mean) when a dataset is missing
-    md, _ = render(Table("t", "c", ("pld",), ("jsonl",), ("tau",), mean=True), load_runs(results / "eagle_alpha"))
+    md, _ = render(Table("t", "c", ("pld",), ("jsonl",), ("tau",), mean=True), runs_, setting)
     cells = next(line for line in md.splitlines() if line.startswith("| pld |")).strip("| ").split(" | ")
     assert "mean τ" in md and cells[1] == cells[2] != "–"
-    md, _ = render(Table("t", "c", ("pld",), ("jsonl", "gsm8k"), ("tau",), mean=True), load_runs(results / "eagle_alpha"))
+    md, _ = render(Table("t", "c", ("pld",), ("jsonl", "gsm8k"), ("tau",), mean=True), runs_, setting)
     assert next(line for line in md.splitlines() if line.startswith("| pld |")).endswith("| – | – |")
     first = {p: p.read_bytes() for p in written}
     report(results)
@@ -68,9 +77,22 @@ def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp
     summary = json.loads((newer / "summary.json").read_text())
     (newer / "summary.json").write_text(json.dumps({**summary, "run": newer.name, "tau_micro": 9.0}))
     (newer / "run.json").write_text(json.dumps({**head, "date": "2000-01-01T00:00:00+00:00"}))
-    assert load_runs(results / "eagle_alpha")[("pld", "jsonl", 0.0)]["run"] == pld.parent.name  # older: ignored
+    assert only(results / "eagle_alpha")[1][("pld", "jsonl", 0.0)]["run"] == pld.parent.name  # older: ignored
     (newer / "run.json").write_text(json.dumps({**head, "date": "2999-01-01T00:00:00+00:00"}))
-    assert load_runs(results / "eagle_alpha")[("pld", "jsonl", 0.0)]["tau_micro"] == 9.0
+    assert only(results / "eagle_alpha")[1][("pld", "jsonl", 0.0)]["tau_micro"] == 9.0
+    # a run of another model in the same experiment: its own table, never a cell of the first one's
+    other = results / "eagle_alpha" / (pld.parent.name.replace("tiny__", "other__"))
+    shutil.copytree(newer, other)
+    cfg = {**head["config"], "model": {**head["config"]["model"], "name": "other"}}
+    (other / "run.json").write_text(json.dumps({**head, "config": cfg, "env": {"gpu": "NVIDIA H100"}}))
+    (other / "summary.json").write_text(json.dumps({**summary, "run": other.name, "tau_micro": 7.0}))
+    settings = load_runs(results / "eagle_alpha")
+    assert sorted(x.model for x in settings) == ["other", "tiny"]
+    assert {k: r["tau_micro"] for k, r in settings[Setting.of(head)].items() if k[0] == "pld"} == {
+        ("pld", "jsonl", 0.0): 9.0}
+    written = report(results)
+    assert {p.name for p in written if p.suffix == ".md"} == {"alpha.tiny.md", "alpha.other.md"}
+    assert "model other (float32)" in (results / "eagle_alpha" / "alpha.other.md").read_text()
 
 
 def test_caption_names_each_drafters_tree():
@@ -95,9 +117,9 @@ def test_caption_names_each_drafters_tree():
     runs = {(name, "mtbench", 0.0): {"drafter": name, "tau_micro": 2.0, "_head": {**head, "config": {"drafter": d}}}
             for name, d in drafters.items()}
     table = Table("t", "c", tuple(drafters), ("mtbench",), ("tau",), paper_tree="dynamic (depth 6, top-k 8, 62 tokens)")
-    md, tex = render(table, runs)
+    md, tex = render(table, runs, Setting("m", "bfloat16", 64, 3))
     assert md.splitlines()[0] == (
-        "**c. The paper's tree: dynamic (depth 6, top-k 8, 62 tokens). Trees of these runs: sd: chain of 5; "
+        "**c; model m (bfloat16), 64 new tokens per turn, the first 3 questions per set. The paper's tree: dynamic (depth 6, top-k 8, 62 tokens). Trees of these runs: sd: chain of 5; "
         "medusa: Medusa sparse (19 nodes from the heads' accuracies); eagle: static mc_sim_7b_63 (25 nodes, depth 5: "
         "4/8/8/3/2 per depth); eagle2, moa: dynamic (depth 6, top-k 8, 62 tokens); chain: chain of 3. device: cpu0; "
         "commit(s): abcdef0.**")
@@ -106,3 +128,11 @@ def test_caption_names_each_drafters_tree():
     # every paper table names the paper's tree
     assert all(t.paper_tree for exp in ("beagle_table1", "coral_table2", "moa_table2", "eagle_alpha")
                for t in TABLES[exp] if t.name != "router")
+
+
+def test_a_table_from_two_devices_says_so():
+    head = {"date": "2000-01-01", "git": {"commit": "abcdef0123"}, "config": {"drafter": {"name": "pld"}}}
+    runs = {("pld", d, 0.0): {"drafter": "pld", "tau_micro": 2.0, "_head": {**head, "env": env}}
+            for d, env in (("mtbench", {"cpu": "cpu0"}), ("gsm8k", {"gpu": "NVIDIA H100"}))}
+    md, _ = render(Table("t", "c", ("pld",), ("mtbench", "gsm8k"), ("tau",)), runs, Setting("m", "float32", 64, None))
+    assert "full question sets" in md and "device: NVIDIA H100, cpu0 (the runs come from different devices" in md

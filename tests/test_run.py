@@ -149,3 +149,38 @@ def test_dirty_flag_ignores_regenerated_results(tmp_path, monkeypatch):
     assert envinfo.git_commit()["dirty"] is False
     (tmp_path / "code.py").write_text("x = 2\n")
     assert envinfo.git_commit()["dirty"] is True
+
+
+def sweep_cli(tmp_path, tiny_checkpoint, question_file, *args):
+    """A sweep on the tiny target run from tmp_path, so that drafter checkpoints (weights/tiny/...) resolve there."""
+    cmd = [sys.executable, "-m", "specbench.run", "-m", f"model.path={tiny_checkpoint}", "model.name=tiny",
+           "dataset=jsonl", f"dataset.path={question_file}", "decoding.max_new_tokens=8", "bench.warmup=0",
+           f"out.root={tmp_path / 'results'}", *args]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_sweep_preflight_lists_every_missing_drafter_before_decoding(tmp_path, tiny_checkpoint, question_file):
+    res = sweep_cli(tmp_path, tiny_checkpoint, question_file, "drafter=none,pld,eagle2,medusa")
+    assert res.returncode == 2, res.stderr[-2000:]
+    err = res.stderr
+    assert "pre-flight: 2 drafter(s)" in err and "nothing was decoded" in err
+    assert "drafter=eagle2 on model=tiny: no weights at weights/tiny/eagle" in err
+    assert "make train MODEL=tiny TRAIN_DRAFTERS=eagle" in err and "TRAIN_DRAFTERS=medusa" in err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_failed_job_does_not_end_the_sweep(tmp_path, tiny_checkpoint, question_file):
+    """eagle2 finds a checkpoint that belongs to another drafter: that job fails with that one line and leaves no run
+    directory; the next job (pld) still runs; the sweep exits non-zero at the end naming the failed job."""
+    wrong = tmp_path / "weights" / "tiny" / "eagle"
+    wrong.mkdir(parents=True)
+    (wrong / "config.json").write_text(json.dumps({"drafter": "moa", "module": {"block_max": 8}}))
+    (wrong / "model.safetensors").write_bytes(b"")
+    res = sweep_cli(tmp_path, tiny_checkpoint, question_file, "drafter=eagle2,pld")
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "1 job(s) of the sweep failed" in res.stderr
+    assert "drafter=eagle2" in res.stderr and "is a 'moa' drafter, not 'eagle'" in res.stderr
+    finished = sorted(p.parent.name.split("__")[1] for p in (tmp_path / "results" / "adhoc").glob("*/summary.json"))
+    assert finished == ["none", "pld"]
+    assert not list((tmp_path / "results" / "adhoc").glob("*__eagle2__*"))

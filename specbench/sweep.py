@@ -1,0 +1,77 @@
+"""A sweep that checks before it decodes and survives a failed job (Hydra callbacks, conf/config.yaml).
+
+- `on_multirun_start`: the pre-flight. Every job of the sweep is composed as the sweeper will compose it, and every
+  drafter with a `checkpoint` must find its weights for that model; all the missing ones are listed at once, each
+  with the command that makes them, and nothing is decoded.
+- a job that fails (specbench.run records it in the sweep directory, `failed/<job>.json`) does not end the sweep;
+- `on_multirun_end`: the sweep exits non-zero naming every failed job.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra import compose
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+
+def job_overrides(config: DictConfig) -> list[list[str]]:
+    """The override list of every job, as the basic sweeper expands them (its params, then the command line)."""
+    params = [f"{k}={v}" for k, v in (config.hydra.sweeper.get("params") or {}).items()]
+    task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+    overrides = OverridesParser.create().parse_overrides(params + list(task))
+    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def missing_weights(cfg: DictConfig) -> str | None:
+    """The drafter's checkpoint for this model, if it is missing: one line with the command that trains it."""
+    from specbench.checkpoints import resolve
+
+    ckpt = cfg.drafter.get("checkpoint")
+    if not ckpt or (resolve(ckpt) / "model.safetensors").is_file():
+        return None
+    trains = Path(ckpt).name  # weights/<model>/<drafter that trains them> (eagle2 decodes eagle's weights)
+    return (f"drafter={cfg.drafter.name} on model={cfg.model.name}: no weights at {ckpt} — train them with "
+            f"`make train MODEL={cfg.model.name} TRAIN_DRAFTERS={trains}` (python -m specbench.train "
+            f"drafter={trains} model={cfg.model.name})")
+
+
+def failures_dir(sweep_dir: str | Path) -> Path:
+    return Path(sweep_dir) / "failed"
+
+
+def record_failure(sweep_dir: str | Path, job: int, overrides: list[str], error: BaseException) -> Path:
+    path = failures_dir(sweep_dir) / f"{job}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"job": job, "overrides": overrides, "error": f"{type(error).__name__}: {error}"}))
+    return path
+
+
+class SweepChecks(Callback):
+    def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
+        problems: list[str] = []
+        for job in job_overrides(config):
+            cfg = compose(config_name=config_name or "config", overrides=job)
+            problem = missing_weights(cfg)
+            if problem and problem not in problems:
+                problems.append(problem)
+        if problems:
+            print(f"error: pre-flight: {len(problems)} drafter(s) of this sweep cannot run; nothing was decoded:",
+                  file=sys.stderr)
+            for p in problems:
+                print(f"  {p}", file=sys.stderr)
+            sys.exit(2)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        failed = sorted(failures_dir(config.hydra.sweep.dir).glob("*.json"), key=lambda p: int(p.stem))
+        if failed:
+            print(f"error: {len(failed)} job(s) of the sweep failed (the others finished):", file=sys.stderr)
+            for f in failed:
+                r = json.loads(f.read_text())
+                print(f"  #{r['job']} {' '.join(r['overrides'])}: {r['error']}", file=sys.stderr)
+            sys.exit(1)
