@@ -133,6 +133,17 @@ def print_report(r: dict) -> None:
 register_schema()
 
 
+def save_report(cfg: DictConfig, kind: str, report: dict, module: str) -> Path:
+    """results/<experiment>/<model>__<kind>__<config hash>/<module's last name>.json, with the run header."""
+    config = OmegaConf.to_container(cfg, resolve=True)
+    out = (Path(cfg.out.root) / cfg.out.experiment / f"{cfg.model.name}__{kind}__{config_hash(config)}"
+           / f"{module.rsplit('.', 1)[-1]}.json")
+    atomic_write_json(out, {"report": report, "config": config,
+                            **envinfo.header(module, pick_device(cfg.model.device))})
+    print(f"written: {out}")
+    return out
+
+
 @hydra.main(config_path="../conf", config_name="perf", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     try:
@@ -140,11 +151,7 @@ def _main(cfg: DictConfig) -> None:
     except SpecbenchError as e:
         fail(e)
     print_report(report)
-    name = f"{cfg.model.name}__perf__{config_hash(OmegaConf.to_container(cfg, resolve=True))}"
-    out = Path(cfg.out.root) / cfg.out.experiment / name / "perf.json"
-    atomic_write_json(out, {"report": report, "config": OmegaConf.to_container(cfg, resolve=True),
-                            **envinfo.header("specbench.perf", pick_device(cfg.model.device))})
-    print(f"written: {out}")
+    save_report(cfg, "perf", report, "specbench.perf")
 
 
 def main() -> None:

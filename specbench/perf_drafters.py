@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import logging
 import statistics
-from pathlib import Path
 
 import hydra
 import torch
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from specbench import envinfo
 from specbench.config import register_schema
 from specbench.engine import Engine, Generation
 from specbench.errors import SpecbenchError
-from specbench.models import pick_device
-from specbench.records import atomic_write_json
+from specbench.perf import save_report
 from specbench.roundtrips import HostRoundTrips
-from specbench.run import Runner, cli, config_hash, fail
+from specbench.run import Runner, cli, fail
 
 log = logging.getLogger("specbench.perf_drafters")
 
@@ -153,11 +150,7 @@ def _main(cfg: DictConfig) -> None:
     except SpecbenchError as e:
         fail(e)
     print_report(report)
-    name = f"{cfg.model.name}__drafters__{config_hash(OmegaConf.to_container(cfg, resolve=True))}"
-    out = Path(cfg.out.root) / cfg.out.experiment / name / "perf_drafters.json"
-    atomic_write_json(out, {"report": report, "config": OmegaConf.to_container(cfg, resolve=True),
-                            **envinfo.header("specbench.perf_drafters", pick_device(cfg.model.device))})
-    print(f"written: {out}")
+    save_report(cfg, "drafters", report, "specbench.perf_drafters")
 
 
 def main() -> None:
