@@ -22,14 +22,20 @@ The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entr
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.trees import GrowingTree, Level, draft_mask, make_tree
+from specbench.checkpoints import resolve, weight_file
+from specbench.errors import SpecbenchError
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -70,6 +76,58 @@ class EagleHead(nn.Module):
         return (out, self.router(out)) if route else out
 
 
+# the authors' layout (SafeAILab/EAGLE `cnets.py` Model; the published yuhuili/EAGLE-*, HArmonizedSS/HASS-* heads):
+# config.json (a Llama config of one layer, optional `bias`) + pytorch_model.bin or model.safetensors
+AUTHORS_DIMS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def is_authors_layout(path: Path) -> bool:
+    """An authors' EAGLE checkpoint: a Llama config (not the project's `drafter` metadata) beside their weight file."""
+    cfg = path / "config.json"
+    if not cfg.is_file() or weight_file(path) is None:
+        return False
+    meta = json.loads(cfg.read_text())
+    return "drafter" not in meta and "hidden_size" in meta
+
+
+def load_authors_head(path: Path, target) -> "EagleHead":
+    """Build the head the checkpoint's config describes and load its tensors under the authors' key names: `fc.*`,
+    `layers.0.*` (ours: `body.layers.0.*`), an optional `embed_tokens.weight` (the target's table is used; its shape is
+    checked). Each misfit is one line naming it."""
+    cfg = json.loads((path / "config.json").read_text())
+    base = target.model.config
+    for key in AUTHORS_DIMS:
+        theirs, ours = cfg.get(key), getattr(base, key, None)
+        if key == "num_key_value_heads":  # absent in older configs: as many as the attention heads
+            theirs, ours = theirs or cfg.get("num_attention_heads"), ours or base.num_attention_heads
+        if theirs != ours:
+            raise SpecbenchError(f"checkpoint {path} is an EAGLE head for {key}={theirs}; the target {target.name!r} "
+                                 f"has {ours}")
+    file = weight_file(path)
+    state = (load_file(str(file)) if file.suffix == ".safetensors"
+             else torch.load(file, map_location="cpu", weights_only=True))
+    emb = state.pop("embed_tokens.weight", None)
+    if emb is not None and tuple(emb.shape) != tuple(target.decoder.embed_tokens.weight.shape):
+        raise SpecbenchError(f"checkpoint {path}: embed_tokens {tuple(emb.shape)} does not match the target's "
+                             f"{tuple(target.decoder.embed_tokens.weight.shape)} (another vocabulary)")
+    head = EagleHead(target, bias=bool(cfg.get("bias", True)),
+                     input_norm="layers.0.input_layernorm.weight" in state, rms_norm_eps=cfg.get("rms_norm_eps"))
+    mapped = {("body." + k if k.startswith("layers.") else k): v for k, v in state.items()}
+    params = dict(head.named_parameters())
+    missing, unexpected = sorted(set(params) - set(mapped)), sorted(set(mapped) - set(params))
+    if missing or unexpected:
+        strip = lambda ks: [k.removeprefix("body.") for k in ks][:3]  # noqa: E731 - in the authors' names
+        raise SpecbenchError(f"checkpoint {path} does not fit an EAGLE head: missing {strip(missing)}, "
+                             f"unexpected {strip(unexpected)}")
+    with torch.no_grad():
+        for k, v in mapped.items():
+            if v.shape != params[k].shape:
+                raise SpecbenchError(f"checkpoint {path}: {k.removeprefix('body.')} is {tuple(v.shape)}, the head "
+                                     f"needs {tuple(params[k].shape)}")
+            params[k].copy_(v.to(params[k].dtype))
+    return head.to(target.device)
+
+
 class EagleDrafter(TrainableDrafter):
     name = "eagle"
     needs = frozenset({HIDDEN})
@@ -84,6 +142,13 @@ class EagleDrafter(TrainableDrafter):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (features [B,n,H], next tokens [B,n])
 
     # ---- training side -------------------------------------------------------------------------------------------
+    @classmethod
+    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
+        """The project's checkpoints, or a head published in the authors' layout (detected from its files)."""
+        if checkpoint and is_authors_layout(resolve(checkpoint)):
+            return load_authors_head(resolve(checkpoint), target).eval().requires_grad_(False)
+        return super().load_module(target, checkpoint, options)
+
     @classmethod
     def build_module(cls, target, bias: bool = True, input_norm: bool = False,
                      rms_norm_eps: float | None = None) -> EagleHead:

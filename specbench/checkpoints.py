@@ -53,6 +53,16 @@ def resolve(path: str | Path) -> Path:
     return p if p.is_absolute() or p.exists() else REPO / p
 
 
+# a checkpoint's weight file: the project's (and the EAGLE authors' newer uploads) first, then the authors' older one
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def weight_file(path: str | Path) -> Path | None:
+    """The weight file of a checkpoint directory, or None."""
+    path = resolve(path)
+    return next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     path = resolve(path)
     cfg = Path(path) / "config.json"

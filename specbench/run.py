@@ -74,11 +74,12 @@ def inference_spec(node: DictConfig | dict) -> dict:
 
 
 def weights_digest(checkpoint: str) -> str:
-    from specbench.checkpoints import resolve
+    from specbench.checkpoints import weight_file
 
-    path = resolve(checkpoint) / "model.safetensors"
-    if not path.is_file():
-        raise SpecbenchError(f"no drafter checkpoint at {checkpoint} (model.safetensors missing): run `make train`")
+    path = weight_file(checkpoint)
+    if path is None:
+        raise SpecbenchError(f"no drafter checkpoint at {checkpoint} (no model.safetensors or pytorch_model.bin): "
+                             "run `make train`")
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 

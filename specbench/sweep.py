@@ -30,10 +30,10 @@ def job_overrides(config: DictConfig) -> list[list[str]]:
 
 def missing_weights(cfg: DictConfig) -> str | None:
     """The drafter's checkpoint for this model, if it is missing: one line with the command that trains it."""
-    from specbench.checkpoints import resolve
+    from specbench.checkpoints import weight_file
 
     ckpt = cfg.drafter.get("checkpoint")
-    if not ckpt or (resolve(ckpt) / "model.safetensors").is_file():
+    if not ckpt or weight_file(ckpt) is not None:
         return None
     trains = Path(ckpt).name  # weights/<model>/<drafter that trains them> (eagle2 decodes eagle's weights)
     return (f"drafter={cfg.drafter.name} on model={cfg.model.name}: no weights at {ckpt} — train them with "

@@ -1,0 +1,104 @@
+"""Heads published in their authors' layout (SafeAILab/EAGLE `cnets.py`: yuhuili/EAGLE-*, HArmonizedSS/HASS-*) load
+through `drafter.checkpoint=<dir>`, the layout detected from the files. The checkpoints here are written by this test
+in exactly that layout (random weights, the real key names and config fields), not by the project's own saving code,
+for a tiny Llama and for SmolLM2's dimensions."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafters.eagle import EagleDrafter
+from drafters.hass import HassDrafter
+from specbench.engine import Engine
+from specbench.errors import SpecbenchError
+from specbench.target import TargetModel
+from specbench.types import SamplingParams
+from tests.helpers import hf_greedy
+
+DIMS = {  # (vocab, hidden, heads, kv heads, intermediate)
+    "tiny": (128, 32, 4, 2, 64),
+    "smollm2-135m": (49152, 576, 9, 3, 1536),  # SmolLM2-135M's config, 2 layers
+}
+
+
+def target_of(dims, layers=2, seed=0):
+    vocab, hidden, heads, kv, inter = dims
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=512,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.generation_config.pad_token_id = 0
+    return TargetModel(model, None, torch.device("cpu"), "t")
+
+
+def write_authors_head(path, dims, fmt="bin", bias=True, drop=(), extra=None, config=None):
+    """An EAGLE head as the authors save it: their config.json and state-dict keys."""
+    vocab, hidden, heads, kv, inter = dims
+    dh = hidden // heads
+    g = torch.Generator().manual_seed(1)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.05  # noqa: E731
+    state = {"fc.weight": r(hidden, 2 * hidden),
+             "layers.0.self_attn.q_proj.weight": r(heads * dh, hidden),
+             "layers.0.self_attn.k_proj.weight": r(kv * dh, hidden),
+             "layers.0.self_attn.v_proj.weight": r(kv * dh, hidden),
+             "layers.0.self_attn.o_proj.weight": r(hidden, heads * dh),
+             "layers.0.mlp.gate_proj.weight": r(inter, hidden), "layers.0.mlp.up_proj.weight": r(inter, hidden),
+             "layers.0.mlp.down_proj.weight": r(hidden, inter),
+             "layers.0.post_attention_layernorm.weight": 1 + r(hidden),
+             "embed_tokens.weight": r(vocab, hidden)}
+    if bias:
+        state["fc.bias"] = r(hidden)
+    state.update(extra or {})
+    for k in drop:
+        state.pop(k)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+           "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "vocab_size": vocab, "hidden_act": "silu",
+           "max_position_embeddings": 2048, "torch_dtype": "float16", **({} if bias else {"bias": False}),
+           **(config or {})}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    half = {k: v.half() for k, v in state.items()}  # the published heads are fp16
+    if fmt == "bin":
+        torch.save(half, path / "pytorch_model.bin")
+    else:
+        save_file(half, str(path / "model.safetensors"))
+    return state
+
+
+@pytest.mark.parametrize("name", sorted(DIMS))
+@pytest.mark.parametrize(("fmt", "bias", "cls"), [("bin", True, EagleDrafter), ("safetensors", False, HassDrafter)])
+def test_an_authors_head_loads_and_decodes_losslessly(tmp_path, name, fmt, bias, cls):
+    target = target_of(DIMS[name])
+    state = write_authors_head(tmp_path / "head", DIMS[name], fmt, bias)
+    drafter = cls(target, checkpoint=str(tmp_path / "head"),
+                  tree={"kind": "dynamic", "depth": 3, "topk": 3, "total_tokens": 8})
+    head = drafter.head
+    assert isinstance(head.body.layers[0].input_layernorm, torch.nn.Identity)  # their layer 0: no input norm
+    assert (head.fc.bias is not None) == bias and head.body.config.rms_norm_eps == 1e-6
+    torch.testing.assert_close(head.body.layers[0].mlp.down_proj.weight,
+                               state["layers.0.mlp.down_proj.weight"].half().float())
+    torch.testing.assert_close(head.fc.weight, state["fc.weight"].half().float())
+    prompt = [5, 17, 33, 17, 33, 9, 2, 40]
+    gen = Engine(target, drafter, SamplingParams()).generate(prompt, 24)
+    assert gen.new_tokens == hf_greedy(target.model, prompt, 24)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"drop": ("layers.0.mlp.down_proj.weight",)}, "missing ['layers.0.mlp.down_proj.weight']"),
+    ({"extra": {"layers.0.self_attn.rotary.weight": torch.zeros(2)}}, "unexpected ['layers.0.self_attn.rotary"),
+    ({"config": {"hidden_size": 64}}, "EAGLE head for hidden_size=64; the target 't' has 32"),
+    ({"extra": {"embed_tokens.weight": torch.zeros(99, 32)}}, "embed_tokens (99, 32) does not match"),
+])
+def test_a_head_that_does_not_fit_gets_one_line(tmp_path, kwargs, message):
+    target = target_of(DIMS["tiny"])
+    write_authors_head(tmp_path / "head", DIMS["tiny"], **kwargs)
+    with pytest.raises(SpecbenchError) as e:
+        EagleDrafter(target, checkpoint=str(tmp_path / "head"))
+    assert message in str(e.value) and "\n" not in str(e.value)
