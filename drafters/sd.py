@@ -18,7 +18,7 @@ sampled chain: `gamma` is then unused).
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from specbench.drafter import TrainableDrafter
 from drafters.distill import kl, teacher_probs, top1
@@ -54,6 +54,36 @@ def small_llama(target, init_layers: list[int]) -> PreTrainedModel:
     return small
 
 
+def check_same_tokenizer(model_path: str, target) -> None:
+    """A draft model must map text to ids as the target does: the same token at the same id, every one (a row count
+    would let Llama-2 + Mistral through, drafting garbage). Their embedding tables may be padded to different sizes
+    (Qwen2.5-0.5B and -7B): the drafter then works on the rows both have (`fit_vocab`)."""
+    if target.tokenizer is None:  # a bare target (tests): nothing to compare
+        return
+    try:
+        draft = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        raise SpecbenchError(f"sd: draft model {model_path!r} has no tokenizer to compare with the target's: "
+                             f"{str(e).splitlines()[0]}") from None
+    ours, theirs = target.tokenizer.get_vocab(), draft.get_vocab()
+    if ours != theirs:
+        tok = next(t for t in sorted(set(ours) | set(theirs)) if ours.get(t) != theirs.get(t))
+        raise SpecbenchError(f"sd: draft model {model_path!r} tokenizes differently from the target: {tok!r} is id "
+                             f"{theirs.get(tok)} there and {ours.get(tok)} in the target ({len(theirs)} vs "
+                             f"{len(ours)} tokens)")
+
+
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits [..., V_draft] on the target's rows [..., vocab]: rows the target lacks are dropped, rows the
+    draft lacks can never be drafted (-inf)."""
+    v = logits.shape[-1]
+    if v == vocab:
+        return logits
+    if v > vocab:
+        return logits[..., :vocab]
+    return torch.nn.functional.pad(logits, (0, vocab - v), value=float("-inf"))
+
+
 class IndependentDrafter(TrainableDrafter):
     name = "sd"
 
@@ -62,15 +92,14 @@ class IndependentDrafter(TrainableDrafter):
         if gamma < 1:
             raise SpecbenchError("sd: gamma must be >= 1")
         self.gamma = gamma
+        self.vocab = target.vocab_size  # drafts are made on the target's rows
         self.policy = make_tree(**tree) if tree else None  # None: the chain of gamma tokens (Algorithm 1)
         if model_path:
             try:
                 self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=target.dtype).to(target.device)
             except OSError as e:
                 raise SpecbenchError(f"sd: draft model {model_path!r} could not be loaded: {str(e).splitlines()[0]}") from None
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            if vocab != target.vocab_size:
-                raise SpecbenchError(f"sd: draft model vocabulary {vocab} != target vocabulary {target.vocab_size}")
+            check_same_tokenizer(model_path, target)
         else:
             self.model = self.load_module(target, checkpoint, module)
         self.model.eval().requires_grad_(False)
@@ -118,7 +147,7 @@ class IndependentDrafter(TrainableDrafter):
     def _next_logits(self, ids: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.cached += ids.shape[1]
-        return out.logits[:, -1]  # [B, V]
+        return fit_vocab(out.logits[:, -1], self.vocab)  # [B, V] on the target's rows
 
     def propose(self, state: TargetState) -> DraftTree:
         logits = self._next_logits(state.tokens[:, self.cached :])
@@ -150,8 +179,9 @@ class IndependentDrafter(TrainableDrafter):
             seen = book.add(level.nodes, level.parents)
             pos = torch.full((1, level.nodes.shape[0]), verified - 1 + level.depth, device=root_logits.device)
             mask = draft_mask(verified, seen, dtype)  # root at verified-1
-            return self.model(input_ids=level.tokens[None], past_key_values=self.cache,
-                              position_ids=pos, attention_mask=mask, use_cache=True).logits[0]  # [n, V]
+            logits = self.model(input_ids=level.tokens[None], past_key_values=self.cache,
+                                position_ids=pos, attention_mask=mask, use_cache=True).logits[0]
+            return fit_vocab(logits, self.vocab)  # [n, V] on the target's rows
 
         grown = self.policy.grow(root_logits, expand)
         self.cache.crop(verified - self.cache.get_seq_length())

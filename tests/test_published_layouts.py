@@ -102,3 +102,54 @@ def test_a_head_that_does_not_fit_gets_one_line(tmp_path, kwargs, message):
     with pytest.raises(SpecbenchError) as e:
         EagleDrafter(target, checkpoint=str(tmp_path / "head"))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- vanilla SD with any HF causal LM as the draft (drafter.model_path)
+def test_an_hf_draft_with_the_targets_tokenizer_and_a_padded_vocabulary(tmp_path, tiny_checkpoint):
+    """As Qwen2.5-0.5B drafting for Qwen2.5-7B: the same tokenizer, embedding tables padded to other sizes. The draft
+    works on the rows both have; greedy and sampled chains and a tree decode losslessly."""
+    from transformers import AutoTokenizer
+
+    from drafters.sd import IndependentDrafter
+    from tests.conftest import byte_tokenizer
+    from tests.helpers import tiny_llama
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    target = TargetModel(LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval(), tok, torch.device("cpu"), "t")
+    draft = tiny_llama(vocab=len(byte_tokenizer()) + 16, layers=1, hidden=32, seed=3)  # 16 padding rows more
+    draft.save_pretrained(tmp_path / "draft")
+    byte_tokenizer().save_pretrained(tmp_path / "draft")
+    prompt = [5, 17, 33, 17, 33, 9, 2, 40]
+    ref = hf_greedy(target.model, prompt, 20)
+    for tree in (None, {"kind": "dynamic", "depth": 3, "topk": 2, "total_tokens": 6}):
+        drafter = IndependentDrafter(target, gamma=3, model_path=str(tmp_path / "draft"), tree=tree)
+        assert Engine(target, drafter, SamplingParams()).generate(prompt, 20).new_tokens == ref
+    drafter = IndependentDrafter(target, gamma=3, model_path=str(tmp_path / "draft"))
+    g = Engine(target, drafter, SamplingParams(temperature=1.0)).generate(prompt, 20, torch.Generator().manual_seed(0))
+    assert len(g.new_tokens) == 20 and max(g.new_tokens) < target.vocab_size
+
+
+def test_an_hf_draft_with_another_tokenizer_is_refused(tmp_path, tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from drafters.sd import IndependentDrafter
+    from tests.conftest import byte_tokenizer
+    from tests.helpers import tiny_llama
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    target = TargetModel(LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval(), tok, torch.device("cpu"), "t")
+    other = byte_tokenizer()
+    vocab = other.backend_tokenizer.get_vocab()
+    a, b = vocab["!"], vocab['"']
+    swapped = {**vocab, "!": b, '"': a}  # the same size, two tokens at each other's ids
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE(vocab=swapped, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=raw).save_pretrained(tmp_path / "draft")
+    tiny_llama(vocab=len(tok), layers=1, hidden=32).save_pretrained(tmp_path / "draft")
+    with pytest.raises(SpecbenchError) as e:
+        IndependentDrafter(target, model_path=str(tmp_path / "draft"))
+    assert "tokenizes differently from the target: '!' is id" in str(e.value) and "\n" not in str(e.value)
