@@ -18,6 +18,7 @@ verification is lossless at any temperature. Medusa's typical acceptance (lossy)
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -27,23 +28,59 @@ from torch import nn
 from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs
 from drafters.trees import paths_from_accuracies, sorted_paths
-from specbench.checkpoints import read_meta
+from specbench.checkpoints import resolve
 from specbench.errors import SpecbenchError
 from specbench.tree import is_chain
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int):
+    """K residual blocks; with `vocab`, each head also has its own LM head W2_k (the paper's layout, as the published
+    heads ship it: decoding only); without, they share the target's frozen LM head (trained here)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, vocab: int | None = None):
         super().__init__()
         self.w1 = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
         for lin in self.w1:  # W1 = 0: every head starts as the target's own next-token head
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
+        self.w2 = nn.ModuleList(nn.Linear(hidden_size, vocab, bias=False) for _ in range(num_heads)) if vocab else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., H] -> per-head features [..., K, H] (to be fed to the LM head)."""
         return torch.stack([h + F.silu(w(h)) for w in self.w1], dim=-2)
+
+    def logits(self, h: torch.Tensor, shared_lm_head: nn.Module) -> torch.Tensor:
+        """h [..., H] -> per-head next-token logits [..., K, V]: each head's own W2_k, or the shared LM head."""
+        feats = self(h)
+        if self.w2 is None:
+            return shared_lm_head(feats.to(shared_lm_head.weight.dtype))
+        return torch.stack([w2(feats[..., k, :].to(w2.weight.dtype)) for k, w2 in enumerate(self.w2)], dim=-2)
+
+
+def load_authors_medusa(path: Path, target) -> MedusaHeads:
+    """Medusa-1 as FasterDecoding/Medusa publishes it: `medusa_lm_head.pt` with keys `{i}.0.linear.{weight,bias}` (the
+    residual block) and `{i}.1.weight` (head i's own LM head, vocab x hidden). The number of heads is counted from the
+    tensors (the published config may say fewer). Each misfit is one line."""
+    state = torch.load(path / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
+    heads = sorted({int(k.split(".", 1)[0]) for k in state if k.split(".", 1)[0].isdigit()})
+    if not heads or heads != list(range(len(heads))):
+        raise SpecbenchError(f"checkpoint {path}: medusa_lm_head.pt holds no heads numbered 0..K-1 ({sorted(state)[:3]})")
+    want = {f"{i}.{part}" for i in heads for part in ("0.linear.weight", "0.linear.bias", "1.weight")}
+    if set(state) != want:
+        raise SpecbenchError(f"checkpoint {path} does not fit Medusa heads: missing {sorted(want - set(state))[:3]}, "
+                             f"unexpected {sorted(set(state) - want)[:3]}")
+    vocab, hidden = state["0.1.weight"].shape
+    if (hidden, vocab) != (target.hidden_size, target.vocab_size):
+        raise SpecbenchError(f"checkpoint {path} holds Medusa heads for hidden size {hidden} and vocabulary {vocab}; "
+                             f"the target {target.name!r} has {target.hidden_size} and {target.vocab_size}")
+    module = MedusaHeads(hidden, len(heads), vocab)
+    with torch.no_grad():
+        for i in heads:
+            module.w1[i].weight.copy_(state[f"{i}.0.linear.weight"].float())
+            module.w1[i].bias.copy_(state[f"{i}.0.linear.bias"].float())
+            module.w2[i].weight.copy_(state[f"{i}.1.weight"].float())
+    return module.to(target.device)
 
 
 class MedusaDrafter(TrainableDrafter):
@@ -70,6 +107,13 @@ class MedusaDrafter(TrainableDrafter):
         self.last_h: torch.Tensor | None = None  # [B, H] hidden state of the token before the root
 
     # ---- training side -------------------------------------------------------------------------------------------
+    @classmethod
+    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
+        """The project's checkpoints, or Medusa-1 heads in their authors' layout (`medusa_lm_head.pt`)."""
+        if checkpoint and (resolve(checkpoint) / "medusa_lm_head.pt").is_file():
+            return load_authors_medusa(resolve(checkpoint), target).eval().requires_grad_(False)
+        return super().load_module(target, checkpoint, options)
+
     @classmethod
     def build_module(cls, target, num_heads: int = 4, decay: float = 0.8, labels: str = "ground_truth") -> MedusaHeads:
         if labels not in ("ground_truth", "target"):
@@ -135,10 +179,13 @@ class MedusaDrafter(TrainableDrafter):
 
     @staticmethod
     def measured_accuracies(checkpoint: str | None) -> list[list[float]]:
-        acc = read_meta(Path(checkpoint)).get("metrics", {}).get("head_topk_acc") if checkpoint else None
+        meta = resolve(checkpoint) / "config.json" if checkpoint else None
+        acc = (json.loads(meta.read_text()).get("metrics", {}).get("head_topk_acc")
+               if meta is not None and meta.is_file() else None)
         if not acc:
             raise SpecbenchError("medusa: tree=auto needs a checkpoint whose validation measured its heads' accuracies "
-                                 f"({checkpoint}: none; retrain it with `python -m specbench.train drafter=medusa`)")
+                                 f"({checkpoint}: none; give a tree, drafter.tree=[[0],[0,0],...], or retrain it with "
+                                 "`python -m specbench.train drafter=medusa`)")
         return acc
 
     # ---- decoding side -------------------------------------------------------------------------------------------
@@ -147,7 +194,7 @@ class MedusaDrafter(TrainableDrafter):
 
     @torch.inference_mode()
     def propose(self, state: TargetState) -> DraftTree:
-        logits = self.lm_head(self.heads(self.last_h).to(self.lm_head.weight.dtype))  # [B, K, V]
+        logits = self.heads.logits(self.last_h, self.lm_head)  # [B, K, V]
         top = logits.topk(self.topk, dim=-1).indices  # [B, K, topk]
         tokens = top[:, self.depth_idx, self.rank_idx]  # [B, N]
         return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1), is_chain=self.is_chain)

@@ -53,8 +53,9 @@ def resolve(path: str | Path) -> Path:
     return p if p.is_absolute() or p.exists() else REPO / p
 
 
-# a checkpoint's weight file: the project's (and the EAGLE authors' newer uploads) first, then the authors' older one
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# a checkpoint's weight file: the project's (and the EAGLE authors' newer uploads) first, then the EAGLE authors' older
+# one, then Medusa-1's
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "medusa_lm_head.pt")
 
 
 def weight_file(path: str | Path) -> Path | None:

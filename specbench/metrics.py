@@ -126,6 +126,9 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         "matches": sum(bool(r["matches_baseline"]) for r in compared),
         "rate": sum(bool(r["matches_baseline"]) for r in compared) / len(compared) if compared else None,
     }
+    classified = [r["divergence"]["kind"] for r in compared if r.get("divergence")]
+    if classified:  # specbench/divergence.py: near-ties of the dtype's rounding vs mismatches
+        out["lossless"]["divergences"] = {k: classified.count(k) for k in ("near_tie", "mismatch")}
     if baseline:
         b_speed = per_repeat_speed(baseline)
         b_mean = statistics.fmean(b_speed.values())

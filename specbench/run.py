@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specbench.drafter import Drafter
-from specbench import envinfo
+from specbench import divergence, envinfo
 from specbench.config import BenchConfig, DatasetConfig, DecodingConfig, ModelConfig, register_schema, to_dataclass
 from specbench.data import Question, load_questions
 from specbench.engine import Engine, Generation
@@ -213,7 +213,13 @@ class Runner:
                     gen_rng = torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, repeat, q.question_id, turn))
                     mem.reset()
                     g = engine.generate(ids, self.decoding.max_new_tokens, gen_rng)
-                    rows.append(self._record(q, turn, repeat, g, mem.read(), reference.get((q.question_id, turn))))
+                    ref = reference.get((q.question_id, turn))
+                    rows.append(self._record(q, turn, repeat, g, mem.read(), ref))
+                    if rows[-1]["first_divergence"] is not None:  # near-tie or mismatch (specbench/divergence.py)
+                        j = rows[-1]["first_divergence"]
+                        if j < min(len(ref), len(g.new_tokens)):  # not one output a prefix of the other
+                            rows[-1]["divergence"] = {"position": j, **divergence.classify(
+                                self.target, ids, ref[:j], g.new_tokens[j], ref[j])}
                     answers.append(tok.decode(g.new_tokens, skip_special_tokens=True).strip())
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{rows[-1]['tokens_per_s']:.1f}", tau=f"{g.tau:.2f}")

@@ -153,3 +153,49 @@ def test_an_hf_draft_with_another_tokenizer_is_refused(tmp_path, tiny_checkpoint
     with pytest.raises(SpecbenchError) as e:
         IndependentDrafter(target, model_path=str(tmp_path / "draft"))
     assert "tokenizes differently from the target: '!' is id" in str(e.value) and "\n" not in str(e.value)
+
+
+# ---- Medusa-1 as FasterDecoding/Medusa publishes it
+def write_authors_medusa(path, hidden, vocab, heads=5, drop=(), config_heads=2):
+    g = torch.Generator().manual_seed(2)
+    state = {}
+    for i in range(heads):
+        state[f"{i}.0.linear.weight"] = torch.randn(hidden, hidden, generator=g) * 0.05
+        state[f"{i}.0.linear.bias"] = torch.randn(hidden, generator=g) * 0.05
+        state[f"{i}.1.weight"] = torch.randn(vocab, hidden, generator=g)
+    for k in drop:
+        state.pop(k)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.half() for k, v in state.items()}, path / "medusa_lm_head.pt")
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": config_heads, "medusa_num_layers": 1,
+                                                  "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"}))
+    return state
+
+
+def test_published_medusa_heads_load_with_their_own_lm_heads_and_decode_losslessly(tmp_path):
+    from drafters.medusa import MedusaDrafter
+
+    target = target_of(DIMS["tiny"])
+    state = write_authors_medusa(tmp_path / "medusa", 32, 128)
+    tree = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    drafter = MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree=tree)
+    assert len(drafter.heads.w1) == 5  # counted from the tensors, not the config's 2
+    torch.testing.assert_close(drafter.heads.w2[3].weight, state["3.1.weight"].half().float())
+    prompt = [5, 17, 33, 17, 33, 9, 2, 40]
+    assert Engine(target, drafter, SamplingParams()).generate(prompt, 24).new_tokens == hf_greedy(target.model, prompt, 24)
+    with pytest.raises(SpecbenchError, match="tree=auto needs"):  # no measured accuracies in a published checkpoint
+        MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree="auto")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"hidden": 64}, "for hidden size 64 and vocabulary 128; the target 't' has 32 and 128"),
+    ({"drop": ("2.1.weight",)}, "missing ['2.1.weight']"),
+])
+def test_a_medusa_checkpoint_that_does_not_fit_gets_one_line(tmp_path, kwargs, message):
+    from drafters.medusa import MedusaDrafter
+
+    target = target_of(DIMS["tiny"])
+    write_authors_medusa(tmp_path / "medusa", kwargs.pop("hidden", 32), 128, **kwargs)
+    with pytest.raises(SpecbenchError) as e:
+        MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree=[[0], [0, 0]])
+    assert message in str(e.value) and "\n" not in str(e.value)
