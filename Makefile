@@ -11,7 +11,7 @@ PERF_ARGS ?=
 TRAIN    ?= embedded
 TRAIN_DRAFTERS ?= sd medusa eagle hass coral coral_router beagle moa moa_tli1
 
-.PHONY: setup test test-fast bench perf perf-drafters train trainmem figures
+.PHONY: setup test test-fast bench perf perf-drafters train trainmem figures download
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ figures: setup
 # Our engine vs transformers' assisted generation / prompt lookup on the same prompts, in one process.
 perf: setup
 	$(BIN)/python -m specbench.perf model=$(MODEL) $(PERF_ARGS)
+
+# The authors' published drafter weights for MODEL (conf/model/$(MODEL).yaml: published) into weights/$(MODEL)/.
+download: setup
+	$(BIN)/python -m specbench.download model=$(MODEL)
 
 # Every drafter's draft ms/step, verify ms/step, tokens/s and host round trips per step (results/perf/).
 perf-drafters: setup

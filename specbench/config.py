@@ -23,6 +23,9 @@ class ModelConfig:
     system_prompt: str | None = None  # None = no system turn (the template may add its default)
     attn_implementation: str = "sdpa"
     revision: str | None = None
+    # drafter -> the hub repository of its authors' published weights for this target (`make download` puts them in
+    # weights/<name>/<drafter>/, where the drafter configs look); only checkpoints that exist are listed
+    published: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

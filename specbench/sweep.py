@@ -36,9 +36,12 @@ def missing_weights(cfg: DictConfig) -> str | None:
     if not ckpt or weight_file(ckpt) is not None:
         return None
     trains = Path(ckpt).name  # weights/<model>/<drafter that trains them> (eagle2 decodes eagle's weights)
-    return (f"drafter={cfg.drafter.name} on model={cfg.model.name}: no weights at {ckpt} — train them with "
-            f"`make train MODEL={cfg.model.name} TRAIN_DRAFTERS={trains}` (python -m specbench.train "
-            f"drafter={trains} model={cfg.model.name})")
+    head = f"drafter={cfg.drafter.name} on model={cfg.model.name}: no weights at {ckpt} — "
+    published = (cfg.model.get("published") or {}).get(trains)
+    if published and Path(ckpt) == Path("weights") / cfg.model.name / trains:
+        return head + f"download the authors' ({published}) with `make download MODEL={cfg.model.name}`"
+    return (head + f"train them with `make train MODEL={cfg.model.name} TRAIN_DRAFTERS={trains}` (python -m "
+            f"specbench.train drafter={trains} model={cfg.model.name})")
 
 
 def failures_dir(sweep_dir: str | Path) -> Path:
