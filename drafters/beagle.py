@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.trees import GrowingTree, Level, make_tree
+from specbench.tree import visible
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -235,8 +236,7 @@ class BeagleDrafter(TrainableDrafter):
         def run(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
             """tokens [R] at position root_pos + depth, each row seeing the verified states and its drafted slots
             seen [R, S] -> predicted states [R, H] (appended to the cache in "concate" mode)."""
-            verified = torch.ones(tokens.shape[0], self.verified, dtype=torch.bool, device=self.device)
-            allowed = torch.cat([verified, seen], -1)[None, None]  # [1, 1, R, K]
+            allowed = visible(seen, self.verified)  # [1, 1, R, K]
             p = torch.full((1, tokens.shape[0]), root_pos + depth, device=self.device)
             h = self.block(self.embed(tokens[None]).to(self.block.q_proj.weight.dtype), p, allowed, kv=(self.k, self.v))
             if self.concat:

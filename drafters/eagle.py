@@ -33,9 +33,10 @@ from transformers import DynamicCache
 
 from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
-from drafters.trees import GrowingTree, Level, draft_mask, make_tree
-from specbench.checkpoints import resolve, weight_file
+from drafters.trees import GrowingTree, Level, make_tree
+from specbench.checkpoints import check_keys, resolve, weight_file
 from specbench.errors import SpecbenchError
+from specbench.tree import tree_attention_mask
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -112,18 +113,13 @@ def load_authors_head(path: Path, target) -> "EagleHead":
                              f"{tuple(target.decoder.embed_tokens.weight.shape)} (another vocabulary)")
     head = EagleHead(target, bias=bool(cfg.get("bias", True)),
                      input_norm="layers.0.input_layernorm.weight" in state, rms_norm_eps=cfg.get("rms_norm_eps"))
-    mapped = {("body." + k if k.startswith("layers.") else k): v for k, v in state.items()}
-    params = dict(head.named_parameters())
-    missing, unexpected = sorted(set(params) - set(mapped)), sorted(set(mapped) - set(params))
-    if missing or unexpected:
-        strip = lambda ks: [k.removeprefix("body.") for k in ks][:3]  # noqa: E731 - in the authors' names
-        raise SpecbenchError(f"checkpoint {path} does not fit an EAGLE head: missing {strip(missing)}, "
-                             f"unexpected {strip(unexpected)}")
+    params = {k.removeprefix("body."): p for k, p in head.named_parameters()}  # in the authors' names
+    check_keys(path, set(state), set(params), "an EAGLE head")
     with torch.no_grad():
-        for k, v in mapped.items():
+        for k, v in state.items():
             if v.shape != params[k].shape:
-                raise SpecbenchError(f"checkpoint {path}: {k.removeprefix('body.')} is {tuple(v.shape)}, the head "
-                                     f"needs {tuple(params[k].shape)}")
+                raise SpecbenchError(f"checkpoint {path}: {k} is {tuple(v.shape)}, the head needs "
+                                     f"{tuple(params[k].shape)}")
             params[k].copy_(v.to(params[k].dtype))
     return head.to(target.device)
 
@@ -212,7 +208,7 @@ class EagleDrafter(TrainableDrafter):
             f_in = feats[level.parents + 1][None]  # [1, n, H]
             seen = book.add(level.nodes, level.parents)
             pos = torch.full((1, level.nodes.shape[0]), self.verified + level.depth - 1, device=self.device)
-            mask = draft_mask(self.verified, seen, f_in.dtype)
+            mask = tree_attention_mask(seen, self.verified, f_in.dtype)
             f = self.head(self.embed(level.tokens[None]), f_in, self.cache, position_ids=pos, attention_mask=mask)[0]
             feats[level.nodes + 1] = f
             return self._logits(f)

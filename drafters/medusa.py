@@ -28,7 +28,7 @@ from torch import nn
 from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs
 from drafters.trees import paths_from_accuracies, sorted_paths
-from specbench.checkpoints import resolve
+from specbench.checkpoints import check_keys, resolve
 from specbench.errors import SpecbenchError
 from specbench.tree import is_chain
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -65,11 +65,10 @@ def load_authors_medusa(path: Path, target) -> MedusaHeads:
     state = torch.load(path / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
     heads = sorted({int(k.split(".", 1)[0]) for k in state if k.split(".", 1)[0].isdigit()})
     if not heads or heads != list(range(len(heads))):
-        raise SpecbenchError(f"checkpoint {path}: medusa_lm_head.pt holds no heads numbered 0..K-1 ({sorted(state)[:3]})")
-    want = {f"{i}.{part}" for i in heads for part in ("0.linear.weight", "0.linear.bias", "1.weight")}
-    if set(state) != want:
-        raise SpecbenchError(f"checkpoint {path} does not fit Medusa heads: missing {sorted(want - set(state))[:3]}, "
-                             f"unexpected {sorted(set(state) - want)[:3]}")
+        raise SpecbenchError(f"checkpoint {path}: medusa_lm_head.pt holds no heads numbered 0..K-1 "
+                             f"({sorted(state)[:3]})")
+    check_keys(path, set(state), {f"{i}.{part}" for i in heads for part in ("0.linear.weight", "0.linear.bias",
+                                                                           "1.weight")}, "Medusa heads")
     vocab, hidden = state["0.1.weight"].shape
     if (hidden, vocab) != (target.hidden_size, target.vocab_size):
         raise SpecbenchError(f"checkpoint {path} holds Medusa heads for hidden size {hidden} and vocabulary {vocab}; "

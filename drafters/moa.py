@@ -34,7 +34,8 @@ from specbench.drafter import KV, TrainableDrafter
 from drafters.beagle import BeagleBlock
 from drafters.distill import kl, teacher_probs, top1
 from drafters.eagle import one_layer_decoder
-from drafters.trees import GrowingTree, Level, draft_mask, make_tree
+from drafters.trees import GrowingTree, Level, make_tree
+from specbench.tree import tree_attention_mask, visible
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -258,13 +259,12 @@ class MoADrafter(TrainableDrafter):
         r = tokens.shape[0]
         p = torch.full((1, r), pos, device=self.device)
         q = self.net.sa(inputs_embeds=self.embed(tokens[None]).to(wdt), past_key_values=self.sa_cache,
-                        position_ids=p, attention_mask=draft_mask(self.sa_len, sa_seen, wdt),
+                        position_ids=p, attention_mask=tree_attention_mask(sa_seen, self.sa_len, wdt),
                         use_cache=True).last_hidden_state
         ca_allowed = torch.ones(1, 1, r, self.acts, dtype=torch.bool, device=self.device)
         x = self.net.ca(q, p, ca_allowed, kv=self.ca_kv)
         if self.net.tli:
-            verified = torch.ones(r, self.acts, dtype=torch.bool, device=self.device)
-            allowed = torch.cat([verified, tli_seen], -1)[None, None]  # [1, 1, R, acts + S']
+            allowed = visible(tli_seen, self.acts)  # [1, 1, R, acts + S']
             for i, layer in enumerate(self.tli_layers):
                 kc, vc = self.tli_kv[i]
                 x, k, v = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, allowed)

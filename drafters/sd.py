@@ -22,9 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from specbench.drafter import TrainableDrafter
 from drafters.distill import kl, teacher_probs, top1
-from drafters.trees import GrowingTree, Level, draft_mask, make_tree
+from drafters.trees import GrowingTree, Level, make_tree
 from specbench.errors import SpecbenchError
 from specbench.sampling import logits_to_probs, sample
+from specbench.tree import tree_attention_mask
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -178,7 +179,7 @@ class IndependentDrafter(TrainableDrafter):
         def expand(level: Level) -> torch.Tensor:
             seen = book.add(level.nodes, level.parents)
             pos = torch.full((1, level.nodes.shape[0]), verified - 1 + level.depth, device=root_logits.device)
-            mask = draft_mask(verified, seen, dtype)  # root at verified-1
+            mask = tree_attention_mask(seen, verified, dtype)  # root at verified-1
             logits = self.model(input_ids=level.tokens[None], past_key_values=self.cache,
                                 position_ids=pos, attention_mask=mask, use_cache=True).logits[0]
             return fit_vocab(logits, self.vocab)  # [n, V] on the target's rows

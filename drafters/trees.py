@@ -46,14 +46,6 @@ class Grown:
     is_chain: bool = False  # known from the policy's shape alone (no host read): the target's causal mask applies
 
 
-def draft_mask(prefix: int, seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask for new draft rows: every row sees the verified prefix and the drafted slots it marks.
-    seen [R, S] bool (GrowingTree rows) -> [1, 1, R, prefix + S]."""
-    m = torch.zeros(1, 1, seen.shape[0], prefix + seen.shape[1], dtype=dtype, device=seen.device)
-    m[0, 0, :, prefix:].masked_fill_(~seen, torch.finfo(dtype).min)
-    return m
-
-
 class GrowingTree:
     """The drafted slots of a drafter's own cache that each node's row attends to (its own and its drafted ancestors'),
     kept as a bool matrix on the device that grows with the tree: the rows of one `expand` are appended to the cache

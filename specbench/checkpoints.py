@@ -72,6 +72,13 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads(cfg.read_text())
 
 
+def check_keys(path: Path, have: set[str], want: set[str], what: str) -> None:
+    """One line naming (up to three of) the missing and the unexpected tensors of a checkpoint that does not fit."""
+    if have != want:
+        raise SpecbenchError(f"checkpoint {path} does not fit {what}: missing {sorted(want - have)[:3]}, "
+                             f"unexpected {sorted(have - want)[:3]}")
+
+
 def target_fingerprint(target) -> str:
     return fingerprint(target.model)
 
@@ -87,10 +94,7 @@ def load_checkpoint(path: Path, module: torch.nn.Module, target, drafter: str) -
         raise SpecbenchError(f"checkpoint {path} was trained for target {meta.get('target')!r} "
                              f"(fingerprint {meta.get('target_fingerprint')}), not the loaded {target.name!r} ({fp})")
     state = load_file(str(Path(path) / "model.safetensors"))
-    expected = set(own_state(module, target))
-    if set(state) != expected:
-        raise SpecbenchError(f"checkpoint {path} does not fit the module: missing {sorted(expected - set(state))[:3]}, "
-                             f"unexpected {sorted(set(state) - expected)[:3]}")
+    check_keys(path, set(state), set(own_state(module, target)), "the module")
     params = dict(module.named_parameters())
     with torch.no_grad():
         for k, v in state.items():

@@ -144,14 +144,19 @@ def save_report(cfg: DictConfig, kind: str, report: dict, module: str) -> Path:
     return out
 
 
-@hydra.main(config_path="../conf", config_name="perf", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
+def measure_and_save(cfg: DictConfig, measure, show, kind: str, module: str) -> None:
+    """A measuring entry point: run it (one-line errors), print its report, save it with the run header."""
     try:
-        report = run_perf(cfg)
+        report = measure(cfg)
     except SpecbenchError as e:
         fail(e)
-    print_report(report)
-    save_report(cfg, "perf", report, "specbench.perf")
+    show(report)
+    save_report(cfg, kind, report, module)
+
+
+@hydra.main(config_path="../conf", config_name="perf", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    measure_and_save(cfg, run_perf, print_report, "perf", "specbench.perf")
 
 
 def main() -> None:

@@ -21,9 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from specbench.config import register_schema
 from specbench.engine import Engine, Generation
 from specbench.errors import SpecbenchError
-from specbench.perf import save_report
+from specbench.perf import measure_and_save
 from specbench.roundtrips import HostRoundTrips
-from specbench.run import Runner, cli, fail
+from specbench.run import Runner, cli
 
 log = logging.getLogger("specbench.perf_drafters")
 
@@ -145,12 +145,7 @@ register_schema()
 
 @hydra.main(config_path="../conf", config_name="perf_drafters", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
-    try:
-        report = run_perf_drafters(cfg)
-    except SpecbenchError as e:
-        fail(e)
-    print_report(report)
-    save_report(cfg, "drafters", report, "specbench.perf_drafters")
+    measure_and_save(cfg, run_perf_drafters, print_report, "drafters", "specbench.perf_drafters")
 
 
 def main() -> None:

@@ -41,12 +41,19 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     return anc
 
 
-def tree_attention_mask(anc: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask for the tree forward: 0 where attention is allowed, dtype-min elsewhere.
-    anc [N+1, N+1] (ancestor_matrix) -> [1, 1, N+1, prefix+N+1]."""
-    n1 = anc.shape[0]
-    mask = torch.zeros(1, 1, n1, prefix_len + n1, dtype=dtype, device=anc.device)
-    mask[0, 0, :, prefix_len:].masked_fill_(~anc, torch.finfo(dtype).min)
+def visible(seen: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """Rows that see a cached prefix of prefix_len entries and the later columns `seen` marks.
+    seen [R, S] bool -> [1, 1, R, prefix+S] bool (True = may attend), for attention that takes a boolean mask."""
+    prefix = torch.ones(seen.shape[0], prefix_len, dtype=torch.bool, device=seen.device)
+    return torch.cat([prefix, seen], -1)[None, None]
+
+
+def tree_attention_mask(seen: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form of `visible`: 0 where attention is allowed, dtype-min elsewhere. [1, 1, R, prefix+S]
+    The target's tree forward passes its ancestor matrix (ancestor_matrix, [N+1, N+1]); a drafter growing a tree in
+    its own cache passes which drafted slots each new row sees (drafters/trees.py GrowingTree)."""
+    mask = torch.zeros(1, 1, seen.shape[0], prefix_len + seen.shape[1], dtype=dtype, device=seen.device)
+    mask[0, 0, :, prefix_len:].masked_fill_(~seen, torch.finfo(dtype).min)
     return mask
 
 

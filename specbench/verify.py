@@ -59,13 +59,18 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor
     return Acceptance(path, length, target_argmax[last + 1], recovered)
 
 
+def _earlier_siblings(parents: torch.Tensor) -> torch.Tensor:
+    """sib[i, j]: node j is a sibling of node i drafted before it (tried first by the walk). [N, N] bool"""
+    n = parents.shape[0]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
+    return (parents[:, None] == parents[None, :]) & earlier
+
+
 def _accept_probs_deterministic(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """q = one-hot: child i is tried with p_res(x_i), p_res = p at its parent with the earlier siblings' tokens zeroed,
     renormalised: p(x_i) / (sum p - sum over distinct earlier siblings' tokens), or 0 if one of them was x_i. [N]"""
-    n = tokens.shape[0]
     g = p[parents + 1, tokens]  # [N] p_parent(x_i)
-    earlier = torch.ones(n, n, dtype=torch.bool, device=p.device).tril(-1)
-    sib = (parents[:, None] == parents[None, :]) & earlier  # [N, N] sib[i, j]: j is an earlier sibling of i
+    sib = _earlier_siblings(parents)  # [N, N]
     dup = (sib & (tokens[:, None] == tokens[None, :])).any(-1)  # [N] an earlier sibling drafted the same token
     removed = (sib & ~dup[None, :]).to(p.dtype) @ g  # [N] mass of the distinct tokens already rejected
     mass = p.sum(-1)[parents + 1] - removed
@@ -107,9 +112,7 @@ def rejection_accept(
     u = torch.rand(n, generator=generator, device=p.device, dtype=p.dtype)
     if q is None:
         accept = u < _accept_probs_deterministic(tokens, parents, p)
-        earlier = torch.ones(n, n, dtype=torch.bool, device=p.device).tril(-1)
-        sib = (parents[:, None] == parents[None, :]) & earlier
-        good = accept & ~(sib & accept[None, :]).any(-1)  # the first accepted child of its parent
+        good = accept & ~(_earlier_siblings(parents) & accept[None, :]).any(-1)  # its parent's first accepted child
         path, length, last, recovered = _deepest_good_path(good, parents, anc)
         p_row = p[last + 1]
         kill = torch.zeros(p.shape[-1] + 1, dtype=torch.bool, device=p.device)
