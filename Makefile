@@ -1,6 +1,7 @@
 # specbench — see README.md. Every target sets up (or refreshes) the virtual environment first.
 PY       ?= python3
 VENV     ?= .venv
+PEER_VENV ?= .peer-venv
 BIN      := $(VENV)/bin
 MODEL    ?= smollm2-135m
 EXPERIMENT ?= beagle_table1
@@ -11,7 +12,7 @@ PERF_ARGS ?=
 TRAIN    ?= embedded
 TRAIN_DRAFTERS ?= sd medusa eagle hass coral coral_router beagle moa moa_tli1
 
-.PHONY: setup test test-fast bench perf perf-drafters train trainmem figures download
+.PHONY: setup test test-fast bench perf perf-drafters peer train trainmem figures download
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,7 +23,8 @@ $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 
 setup: $(VENV)/.stamp
 
-test: setup
+# the authors' EAGLE environment too: tests/test_peer.py runs their EaModel against ours on a tiny target
+test: setup $(PEER_VENV)/.stamp
 	$(BIN)/python -m pytest -q
 
 test-fast: setup
@@ -48,6 +50,17 @@ perf: setup
 # The authors' published drafter weights for MODEL (conf/model/$(MODEL).yaml: published) into weights/$(MODEL)/.
 download: setup
 	$(BIN)/python -m specbench.download model=$(MODEL)
+
+# Our eagle against the authors' own EAGLE (PyPI eagle-llm==1.2.1) on one trained head (specbench/peer.py ->
+# results/peer/). The authors' code runs in its own environment, $(PEER_VENV), with the versions it pins.
+$(PEER_VENV)/.stamp: peer/requirements.txt
+	test -x $(PEER_VENV)/bin/python || $(PY) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q -r peer/requirements.txt
+	$(PEER_VENV)/bin/python -m pip install -q --no-deps eagle-llm==1.2.1
+	touch $@
+
+peer: setup $(PEER_VENV)/.stamp
+	$(BIN)/python -m specbench.peer model=$(MODEL) peer.python=$(PEER_VENV)/bin/python $(ARGS)
 
 # Every drafter's draft ms/step, verify ms/step, tokens/s and host round trips per step (results/perf/).
 perf-drafters: setup

@@ -124,6 +124,30 @@ def load_authors_head(path: Path, target) -> "EagleHead":
     return head.to(target.device)
 
 
+def save_authors_head(head: "EagleHead", target, out: Path) -> Path:
+    """Write `head` in the authors' layout (the inverse of load_authors_head): config.json, a Llama config of one
+    layer with `bias`, and pytorch_model.bin with `fc.*`, `layers.0.*` and the target's `embed_tokens.weight` (the
+    authors' `Model` holds its own copy and loads its state strictly). Used by `make peer` to put one head into both
+    implementations. A head with an input norm cannot be written: the authors' layer 0 has none."""
+    if not isinstance(head.body.layers[0].input_layernorm, nn.Identity):
+        raise SpecbenchError("this EAGLE head has an input RMSNorm in layer 0; the authors' layout has none")
+    base = target.model.config
+    layer0 = head.body.config
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+           "bias": head.fc.bias is not None, "vocab_size": target.vocab_size,
+           "rms_norm_eps": layer0.rms_norm_eps, "hidden_act": layer0.hidden_act,
+           "max_position_embeddings": base.max_position_embeddings, "rope_scaling": None,
+           "pad_token_id": base.pad_token_id, "bos_token_id": base.bos_token_id, "eos_token_id": base.eos_token_id,
+           **{k: getattr(base, k) for k in AUTHORS_DIMS}}
+    state = {k.removeprefix("body."): p.detach().cpu().contiguous() for k, p in head.named_parameters()
+             if not k.startswith("router.")}
+    state["embed_tokens.weight"] = target.decoder.embed_tokens.weight.detach().cpu().contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    torch.save(state, out / "pytorch_model.bin")
+    return out
+
+
 class EagleDrafter(TrainableDrafter):
     name = "eagle"
     needs = frozenset({HIDDEN})

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -112,6 +112,16 @@ class OutConfig:
 
 
 @dataclass
+class PeerConfig:
+    """specbench/peer.py (`make peer`): our eagle against the authors' eagle-llm on one head."""
+
+    python: str = ".peer-venv/bin/python"  # the authors' environment (made by `make peer`)
+    checkpoint: str = "weights/${model.name}/eagle"  # the trained head both implementations load
+    # target variants: null = as shipped; a number = the same weights with that RoPE base (eagle-llm hard-codes 10000)
+    rope_thetas: list[Optional[float]] = field(default_factory=lambda: [None, 10000.0])
+
+
+@dataclass
 class RunConfig:
     """The schema of conf/config.yaml (registered with Hydra's ConfigStore as `specbench_schema`)."""
 
@@ -126,6 +136,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     trainmem: TrainMemConfig = field(default_factory=TrainMemConfig)
     drafters: list[str] = field(default_factory=list)  # specbench/perf_drafters.py: the drafters it measures
+    peer: PeerConfig = field(default_factory=PeerConfig)
 
 
 def register_schema() -> None:

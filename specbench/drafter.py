@@ -85,6 +85,9 @@ class TrainableDrafter(Drafter):
         options = dict(options or {})
         if checkpoint:
             meta = read_meta(Path(checkpoint))
+            if "drafter" not in meta:  # another project's layout this method does not read (e.g. MoA's published one)
+                raise SpecbenchError(f"checkpoint {checkpoint} is not a specbench checkpoint (its config.json names no "
+                                     f"drafter) and {cls.name!r} reads no other layout")
             if meta.get("drafter") != cls.name:  # before its options build a module they do not fit
                 raise SpecbenchError(f"checkpoint {checkpoint} is a {meta.get('drafter')!r} drafter, not {cls.name!r}")
             options = meta.get("module", options)

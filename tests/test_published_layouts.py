@@ -199,3 +199,17 @@ def test_a_medusa_checkpoint_that_does_not_fit_gets_one_line(tmp_path, kwargs, m
     with pytest.raises(SpecbenchError) as e:
         MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree=[[0], [0, 0]])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_in_a_layout_the_method_does_not_read_gets_one_line(tmp_path):
+    """MoA's published drafter (huawei-noah/MOASpec-Llama-3-8B-Instruct: `save_pretrained` of their module, keys
+    `layer_self_attention.*`, `Ekv2E.*`, ...) does not map onto our module (README); it is refused in one line."""
+    from drafters.moa import MoADrafter
+
+    target = target_of(DIMS["tiny"])
+    (tmp_path / "moa").mkdir()
+    (tmp_path / "moa" / "config.json").write_text(json.dumps({"model_type": "moa_spec", "hidden_size": 32}))
+    save_file({"Ekv2E.weight": torch.zeros(32, 16)}, str(tmp_path / "moa" / "model.safetensors"))
+    with pytest.raises(SpecbenchError) as e:
+        MoADrafter(target, checkpoint=str(tmp_path / "moa"))
+    assert "is not a specbench checkpoint (its config.json names no drafter) and 'moa' reads no other layout" in str(e.value)
