@@ -256,7 +256,7 @@ class BeagleDrafter(TrainableDrafter):
 
         grown = self.policy.grow(self._logits(h_root[0]), expand)
         self.k, self.v = self.k[:, :, : self.verified], self.v[:, :, : self.verified]  # drop drafted states
-        return DraftTree(tokens=grown.tokens[None], parents=grown.parents[None], is_chain=grown.is_chain)
+        return grown.draft()
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         self.pending = state.hidden  # true states of the root and the accepted path

@@ -239,7 +239,7 @@ class EagleDrafter(TrainableDrafter):
 
         grown = self.policy.grow(self._logits(root_f), expand)
         self.cache.crop(self.verified - self.cache.get_seq_length())  # drop drafted entries
-        return DraftTree(tokens=grown.tokens[None], parents=grown.parents[None], is_chain=grown.is_chain)
+        return grown.draft()
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         n = state.hidden.shape[1]  # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})

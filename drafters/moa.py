@@ -311,7 +311,7 @@ class MoADrafter(TrainableDrafter):
 
         grown = self.policy.grow(root_logits, expand)
         self.crop()
-        return DraftTree(tokens=grown.tokens[None], parents=grown.parents[None], is_chain=grown.is_chain)
+        return grown.draft()
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         pass  # everything the next cycle needs is read from state.kv / state.tokens in propose

@@ -186,7 +186,7 @@ class IndependentDrafter(TrainableDrafter):
 
         grown = self.policy.grow(root_logits, expand)
         self.cache.crop(verified - self.cache.get_seq_length())
-        return DraftTree(tokens=grown.tokens[None], parents=grown.parents[None], is_chain=grown.is_chain)
+        return grown.draft()
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         if self.policy is not None:

@@ -22,6 +22,7 @@ import torch
 
 from specbench.errors import SpecbenchError
 from specbench.tree import is_chain
+from specbench.types import DraftTree
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class Grown:
     tokens: torch.Tensor  # [N] in topological order
     parents: torch.Tensor  # [N], -1 = root
     is_chain: bool = False  # known from the policy's shape alone (no host read): the target's causal mask applies
+    priority: torch.Tensor | None = None  # [N] the policy's order of preference (higher first; see DraftTree)
+
+    def draft(self) -> DraftTree:
+        """The step's proposal, batch of one."""
+        return DraftTree(tokens=self.tokens[None], parents=self.parents[None], is_chain=self.is_chain,
+                         priority=None if self.priority is None else self.priority[None])
 
 
 class GrowingTree:
@@ -112,6 +119,10 @@ def paths_from_accuracies(acc: list[list[float]], nodes: int) -> list[list[int]]
 class StaticTree:
     def __init__(self, paths: list[list[int]], **_):
         self.paths, self.parents = sorted_paths(paths)
+        # the list's own order is its preference (the authors' lists and paths_from_accuracies put likelier paths
+        # first, each after its prefix): the first n paths are the tree of n nodes (specbench/costmodel.py)
+        order = {tuple(p): i for i, p in enumerate(paths)}
+        self.priority = [-float(order[tuple(p)]) for p in self.paths]
         self.depth = max(len(p) for p in self.paths)
         self.width = 1 + max(max(p) for p in self.paths)
         self.max_nodes = len(self.paths)
@@ -119,7 +130,8 @@ class StaticTree:
         self._index: dict[torch.device, tuple] = {}  # the fixed index tensors, per device
 
     def _indices(self, device: torch.device) -> tuple:
-        """(parents [N], depth-1 nodes, their ranks, [(depth, fed nodes, depth-d nodes, their row in fed, rank)])."""
+        """(parents [N], depth-1 nodes, their ranks, [(depth, fed nodes, depth-d nodes, their row in fed, rank)],
+        priority [N])."""
         if device not in self._index:
             t = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731 (once per device)
             first = [i for i, p in enumerate(self.paths) if len(p) == 1]
@@ -129,18 +141,19 @@ class StaticTree:
                 feed = sorted({self.parents[i] for i in kids})
                 levels.append((d, t(feed), t(kids), t([feed.index(self.parents[i]) for i in kids]),
                                t([self.paths[i][-1] for i in kids])))
-            self._index[device] = (t(self.parents), t(first), t([self.paths[i][0] for i in first]), levels)
+            self._index[device] = (t(self.parents), t(first), t([self.paths[i][0] for i in first]), levels,
+                                   torch.tensor(self.priority, device=device))
         return self._index[device]
 
     def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
         """root_logits [V]."""
-        parents, first, first_rank, levels = self._indices(root_logits.device)
+        parents, first, first_rank, levels, priority = self._indices(root_logits.device)
         tokens = torch.zeros(len(self.paths), dtype=torch.long, device=root_logits.device)
         tokens[first] = root_logits.topk(self.width).indices[first_rank]
         for d, feed, kids, row, rank in levels:
             logits = expand(Level(feed, tokens[feed], parents[feed], d - 1))
             tokens[kids] = logits.topk(self.width, dim=-1).indices[row, rank]
-        return Grown(tokens, parents, self.is_chain)
+        return Grown(tokens, parents, self.is_chain, priority)
 
 
 class DynamicTree:
@@ -185,7 +198,8 @@ class DynamicTree:
         new_id = torch.full((n,), -1, dtype=torch.long, device=device)
         new_id[keep] = torch.arange(keep.shape[0], device=device)
         par = parents[keep]
-        return Grown(tokens[keep], torch.where(par >= 0, new_id[par.clamp(min=0)], -1), is_chain=k == 1)
+        return Grown(tokens[keep], torch.where(par >= 0, new_id[par.clamp(min=0)], -1), is_chain=k == 1,
+                     priority=scores[keep])  # the rerank's order: the best n of these are the tree of n nodes
 
 
 def make_tree(kind: str, **options):

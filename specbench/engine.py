@@ -31,6 +31,15 @@ def sync(device: torch.device) -> None:
 
 
 @dataclass
+class StepTrace:
+    """One verification step as the tree cost model reads it (Engine(trace=True); specbench/costmodel.py)."""
+
+    parents: list[int]  # the drafted tree, -1 = the root
+    priority: list[float] | None  # the policy's preference per node (DraftTree.priority), None = node order
+    path: list[int]  # the accepted nodes, root's child first
+
+
+@dataclass
 class Generation:
     """One prompt turn: the new tokens and the counters every method is measured by."""
 
@@ -49,6 +58,7 @@ class Generation:
     recovered: int = 0  # steps that ended with a recovered (not bonus) token
     stopped_by: str = "max_new_tokens"  # or "eos"
     chain: bool = True  # every drafted tree was a chain (Leviathan's formula applies)
+    trace: list[StepTrace] = field(default_factory=list)  # per step, only with Engine(trace=True)
 
     @property
     def tau(self) -> float:
@@ -72,8 +82,9 @@ def _count_depths(gen: Generation, parents: list[int], path: list[int]) -> None:
 
 
 class Engine:
-    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams):
-        self.target, self.drafter, self.sampling = target, drafter, sampling
+    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False):
+        """trace=True keeps every step's tree and accepted path (one more host read per step: calibration only)."""
+        self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
 
     def _state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, generator) -> TargetState:
         needs = self.drafter.needs
@@ -152,6 +163,9 @@ class Engine:
             gen.tree_sizes.append(n)
             gen.recovered += int(recovered)
             gen.chain &= is_chain(parents)
+            if self.trace:
+                priority = tree.priority[0].tolist() if tree.priority is not None else None
+                gen.trace.append(StepTrace(parents, priority, path))
             _count_depths(gen, parents, path)
             if done:
                 break

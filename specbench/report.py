@@ -322,6 +322,81 @@ def trainmem(root: Path) -> None:
         save(fig, f.parent / "trainmem.png")
 
 
+def tree_auto_report(exp_dir: Path) -> list[Path]:
+    """conf/experiment/tree_auto.yaml: each drafter with its paper's tree and with the tree sized for the device
+    (tree=auto), the predicted speedup (specbench/costmodel.py, from run.json's `tree_auto`) next to the measured one,
+    per model setting; and a figure of predicted tokens/s against tree size with the measured points."""
+    by_setting: dict[Setting, dict[tuple[str, str, str], dict]] = {}
+    for run in sorted(exp_dir.glob("*/summary.json")):
+        s = json.loads(run.read_text())
+        head = json.loads((run.parent / "run.json").read_text())
+        tree = head["config"]["drafter"].get("tree")
+        variant = "none" if s["drafter"] == "none" else "auto" if head.get("tree_auto") else "paper"
+        key = (s["drafter"], s["dataset"], variant)
+        cells = by_setting.setdefault(Setting.of(head), {})
+        if key not in cells or head["date"] > cells[key]["_head"]["date"]:
+            cells[key] = {**s, "_head": head, "_tree": tree}
+    written = []
+    for setting, cells in sorted(by_setting.items()):
+        stem = file_stem(setting, by_setting)
+        drafters = sorted({d for d, _, v in cells if v != "none"})
+        datasets = [d for d in ("mtbench", "gsm8k", "cnndm") if any(k[1] == d for k in cells)]
+        head = ["method", "dataset", "paper tree: τ", "speedup", "auto tree", "τ", "predicted speedup",
+                "measured speedup", "error"]
+        rows, errors = [], []
+        for d in drafters:
+            for ds in datasets:
+                p, a = cells.get((d, ds, "paper")), cells.get((d, ds, "auto"))
+                auto = a["_head"]["tree_auto"] if a else None
+                pred = auto["predicted"]["speedup"] if auto else None
+                meas = value(a, "spu")
+                err = (pred - meas) / meas if pred is not None and meas else None
+                if err is not None:
+                    errors.append(abs(err))
+                chosen = auto["chosen"] if auto else None
+                rows.append([d, ds, cell(p, "tau"), cell(p, "spu"),
+                             f"depth {chosen['depth']}, {chosen['total_tokens']} tokens" if chosen else MISSING,
+                             cell(a, "tau"), MISSING if pred is None else f"{pred:.2f}x", cell(a, "spu"),
+                             MISSING if err is None else f"{err:+.0%}"])
+        used = [c for c in cells.values()]
+        mean_err = f"mean |error| {sum(errors) / len(errors):.0%} over {len(errors)} runs" if errors else "no auto runs"
+        caption = (f"Each drafter at its paper's tree (dynamic: depth 6, top-k 10, 60 tokens) and at the tree sized "
+                   f"for this device (tree=auto: the same policy's depth and token count that maximise predicted "
+                   f"tokens/s, specbench/costmodel.py), T=0; {setting.describe()}. Predicted speedup: the cost model "
+                   f"before the run; measured: against the baseline of the same job; {mean_err}. "
+                   f"{provenance(used) if used else 'no runs yet'}.")
+        md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        md += ["| " + " | ".join(r) + " |" for r in rows]
+        path = exp_dir / f"auto.{stem}.md"
+        path.write_text("\n".join(md) + "\n")
+        written.append(path)
+        figure_tree_size(cells, exp_dir / f"tree_size.{stem}.png")
+    return written
+
+
+def figure_tree_size(cells: dict, path: Path) -> None:
+    """Predicted tokens/s against tree size (the cost model's curve, mtbench's calibration) for a few drafters, with
+    the measured tokens/s of their paper-tree and auto-tree runs on MT-Bench as points."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    shown = [d for d in ("sd_tree", "eagle2", "hass", "coral_router") if (d, "mtbench", "auto") in cells]
+    for i, d in enumerate(shown):
+        a = cells[(d, "mtbench", "auto")]
+        curve = {int(n): v for n, v in a["_head"]["tree_auto"]["curve"].items()}
+        color = f"C{i}"
+        ax.plot(sorted(curve), [curve[n] for n in sorted(curve)], color=color, lw=1, label=f"{d} predicted")
+        ax.scatter([a["_head"]["tree_auto"]["chosen"]["total_tokens"]], [value(a, "speed")], color=color, marker="o")
+        p = cells.get((d, "mtbench", "paper"))
+        if p:
+            ax.scatter([p["_tree"]["total_tokens"]], [value(p, "speed")], color=color, marker="x")
+    base = cells.get(("none", "mtbench", "none"))
+    if base:
+        ax.axhline(value(base, "speed"), color="grey", lw=0.8, label="baseline (measured)")
+    ax.set_xlabel("tokens in the draft tree"), ax.set_ylabel("tokens/s (MT-Bench)")
+    ax.set_title("Predicted tokens/s vs tree size; o = tree=auto, x = paper tree (measured)", fontsize=8)
+    ax.legend(fontsize=6)
+    save(fig, path)
+
+
 def file_stem(setting: Setting, settings: dict) -> str:
     """Tables and figures are named by their model; the dtype and budget are added only where the same model has runs
     of several settings in the experiment."""
@@ -352,6 +427,8 @@ def report(results: Path) -> list[Path]:
             if exp == "beagle_table1":
                 for ds in ("mtbench", "gsm8k", "cnndm"):
                     figure_cost(runs, exp_dir, ds, stem)
+    if (results / "tree_auto").is_dir():
+        written += tree_auto_report(results / "tree_auto")
     training_curves(results / "training", results / "training")
     trainmem(results / "trainmem")
     return written

@@ -107,6 +107,7 @@ class Runner:
         model, tok, device = load_model(self.model_cfg)
         self.target = TargetModel(model, tok, device, self.model_cfg.name)
         self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
+        self.tree_auto: dict | None = None  # tree=auto: the chosen tree and its prediction (run.json)
         self._check_prompts()
 
     def prompt_ids(self, q: Question, turn: int, answers: list[str]) -> list[int]:
@@ -139,13 +140,33 @@ class Runner:
 
     def make_drafter(self, node: DictConfig) -> Drafter:
         spec = inference_spec(node)
+        tree = spec.get("tree")
+        if isinstance(tree, dict) and tree.get("kind") == "auto":  # conf/tree/auto.yaml: sized for this device
+            spec["tree"], self.tree_auto = self._auto_tree(spec, tree)
+        return self._instantiate(spec, node.get("name"))
+
+    def _auto_tree(self, spec: dict, tree: dict) -> tuple[dict, dict]:
+        from specbench import costmodel
+
+        auto = to_dataclass(costmodel.AutoConfig, {k: v for k, v in tree.items() if k != "kind"})
+        cal = to_dataclass(DatasetConfig, OmegaConf.load(CONF_DIR / "dataset" / f"{auto.dataset}.yaml"))
+        cal.limit = auto.questions
+        prompts = [self.prompt_ids(q, 0, []) for q in load_questions(cal)]
+        key = {k: v for k, v in spec.items() if k != "tree"}
+        if spec.get("checkpoint"):
+            key["checkpoint_sha256"] = weights_digest(spec["checkpoint"])
+        return costmodel.choose_tree(self.target, auto, lambda t: self._instantiate({**spec, "tree": t}, self.cfg.drafter.name),
+                                     {"name": self.cfg.drafter.name, **key}, prompts, self.decoding.max_new_tokens,
+                                     self.model_cfg.cache_dir, self.model_cfg.name)
+
+    def _instantiate(self, spec: dict, name: str | None) -> Drafter:
         try:
             return instantiate(spec, target=self.target, _convert_="object")
         except Exception as e:  # noqa: BLE001 - Hydra wraps constructor errors; report them in one line
             cause = e.__cause__ or e
             if isinstance(cause, SpecbenchError):
                 raise cause from None
-            raise SpecbenchError(f"drafter {node.get('name')!r} could not be built: {cause}") from None
+            raise SpecbenchError(f"drafter {name!r} could not be built: {cause}") from None
 
     def execute(self) -> RunDir:
         problem = missing_weights(self.cfg)
@@ -180,6 +201,7 @@ class Runner:
                 "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                 "env": envinfo.device_info(self.target.device),
                 "versions": envinfo.versions(),
+                **({"tree_auto": self.tree_auto} if self.tree_auto and drafter is not None else {}),
             })
         if todo:
             engine = Engine(self.target, drafter, self.decoding.sampling())

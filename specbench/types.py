@@ -35,6 +35,9 @@ class DraftTree:
     parents: torch.Tensor  # [B, N] int64, -1 = the root (the last verified token, not yet in the target cache)
     draft_probs: torch.Tensor | None = None  # [B, N, V] q that node i was sampled from; None = deterministic (q=1)
     is_chain: bool = False  # parents are [-1, 0, ..., N-2], known without reading them: verified with the causal mask
+    # [B, N] the policy's preference (higher first; a node never above its parent): the best n nodes form the tree
+    # that policy grows with n nodes; read only by the tree cost model (specbench/costmodel.py), None = node order
+    priority: torch.Tensor | None = None
 
 
     @property

@@ -1,0 +1,117 @@
+"""tree=auto (specbench/costmodel.py): the smaller trees it predicts for are the trees the policies grow, the
+choice follows the measured costs, and a run with tree=auto records its choice and stays lossless."""
+import json
+
+import pytest
+import torch
+
+from drafters.trees import DynamicTree, Level, StaticTree
+from specbench import costmodel
+from specbench.costmodel import DrafterCost, StepTrace, TargetCost, best_tree, kept_nodes, predicted_tau
+from specbench.run import Runner
+from specbench.tree import node_depths
+
+V = 12
+TABLE = torch.randint(-3, 4, (V, V), generator=torch.Generator().manual_seed(0)).float()  # integer logits: ties
+
+
+def expand(level: Level) -> torch.Tensor:
+    return TABLE[level.tokens] + 0.1 * level.depth
+
+
+def token_paths(tokens: list[int], parents: list[int], keep=None) -> set[tuple[int, ...]]:
+    out = set()
+    for i in range(len(tokens)) if keep is None else keep:
+        path, j = [], i
+        while j >= 0:
+            path.append(tokens[j])
+            j = parents[j]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+def test_replayed_on_a_complete_tree_every_smaller_dynamic_tree_is_exact():
+    """A base tree that kept every node it expanded holds every smaller (depth, top-k, nodes) tree of the policy."""
+    root = TABLE[3]
+    big = DynamicTree(depth=4, topk=3, total_tokens=3 + 3 * 9).grow(root, expand)
+    step = StepTrace(big.parents.tolist(), big.priority.tolist(), [])
+    for d in range(1, 5):
+        for k in (1, 2, 3):
+            for n in range(1, k + (d - 1) * k * k + 1):
+                small = DynamicTree(depth=d, topk=k, total_tokens=n).grow(root, expand)
+                assert token_paths(small.tokens.tolist(), small.parents.tolist()) == token_paths(
+                    big.tokens.tolist(), step.parents, kept_nodes(step, d, n, k)), (d, k, n)
+
+
+def test_the_best_nodes_of_the_base_tree_are_the_smaller_dynamic_tree():
+    root = TABLE[3]
+    big = DynamicTree(depth=4, topk=3, total_tokens=20).grow(root, expand)
+    step = StepTrace(big.parents.tolist(), big.priority.tolist(), [])
+    depths = node_depths(step.parents)
+    checked = 0
+    for d in range(1, 5):
+        for n in range(1, 21):
+            if sum(x <= d for x in depths) < n:
+                continue  # the base tree spent those nodes deeper: the prediction is a lower bound there
+            small = DynamicTree(depth=d, topk=3, total_tokens=n).grow(root, expand)
+            assert token_paths(small.tokens.tolist(), small.parents.tolist()) == token_paths(
+                big.tokens.tolist(), step.parents, kept_nodes(step, d, n, 3)), (d, n)
+            checked += 1
+    assert checked > 40
+
+
+def test_the_first_paths_of_a_static_list_are_the_smaller_static_tree():
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    big = StaticTree(paths).grow(TABLE[3], expand)
+    step = StepTrace(big.parents.tolist(), big.priority.tolist(), [])
+    for d in range(1, 5):
+        for n in range(1, len(paths) + 1):
+            cut = [p for p in paths if len(p) <= d][:n]
+            small = StaticTree(cut).grow(TABLE[3], expand)
+            assert token_paths(small.tokens.tolist(), small.parents.tolist()) == token_paths(
+                big.tokens.tolist(), step.parents, kept_nodes(step, d, n))
+
+
+def test_acceptance_of_a_smaller_tree_is_the_recorded_path_inside_it():
+    # a chain of 4 (node order = preference) whose steps accepted 4, 2 and 0 nodes
+    trace = [StepTrace([-1, 0, 1, 2], None, p) for p in ([0, 1, 2, 3], [0, 1], [])]
+    assert predicted_tau(trace, 4, 4) == pytest.approx((5 + 3 + 1) / 3)
+    assert predicted_tau(trace, 2, 2) == pytest.approx((3 + 3 + 1) / 3)
+    assert predicted_tau(trace, 1, 1) == pytest.approx((2 + 2 + 1) / 3)
+
+
+def costs(verify_per_token: float) -> tuple[TargetCost, DrafterCost]:
+    """A chain drafter that always has 4 accepted: deeper is always better unless verifying is expensive."""
+    target = TargetCost(context=100, sizes=[1, 5], seconds=[0.01, 0.01 + 4 * verify_per_token])
+    trace = [{"parents": [-1, 0, 1, 2], "priority": None, "path": [0, 1, 2, 3]}] * 5
+    drafter = DrafterCost(base={"kind": "dynamic", "depth": 4, "topk": 1, "total_tokens": 4},
+                          draft=[[d, 1, 0.001] for d in range(1, 5)], overhead_s=0.0, prefill_s=0.0,
+                          ar_overhead_s=0.0, ar_prefill_s=0.0, trace=trace)
+    return target, drafter
+
+
+def test_the_choice_follows_the_measured_costs():
+    cheap, drafter = costs(0.0001)
+    choice, grid = best_tree(cheap, drafter, 64)
+    assert (choice.depth, choice.nodes) == (4, 4) and choice.speedup > 3
+    dear, drafter = costs(0.05)  # each verified token costs 5x a whole one-token forward
+    choice, _ = best_tree(dear, drafter, 64)
+    assert (choice.depth, choice.nodes) == (1, 1) and choice.speedup < 1
+    assert [(c.depth, c.nodes) for c in grid] == [(d, d) for d in range(1, 5)]  # top-1: depth d holds d nodes
+
+
+@pytest.mark.slow
+def test_a_run_with_tree_auto_records_its_choice_and_is_lossless(make_cfg, tmp_path):
+    cfg = make_cfg("drafter=eagle2", "drafter.checkpoint=null", "tree=auto", "tree.questions=2",
+                   "tree.new_tokens=12", f"model.cache_dir={tmp_path / 'cache'}", "dataset.limit=1")
+    run_dir = Runner(cfg).execute()
+    run = json.loads(run_dir.run_json.read_text())
+    auto = run["tree_auto"]
+    assert auto["chosen"]["kind"] == "dynamic" and 1 <= auto["chosen"]["depth"] <= 6
+    assert auto["predicted"]["tokens_per_s"] > 0 and {"1", "61"} <= set(auto["verify_s"])
+    summary = json.loads(run_dir.summary_path.read_text())
+    assert summary["lossless"]["matches"] == summary["lossless"]["compared"] > 0
+    files = list((tmp_path / "cache" / "costmodel").rglob("*.json"))
+    assert len(files) == 2  # the target's cost and the drafter's, cached
+    Runner(cfg).make_drafter(cfg.drafter)  # a second resolution reads the cache
+    assert len(list((tmp_path / "cache" / "costmodel").rglob("*.json"))) == 2
