@@ -10,7 +10,11 @@ ARGS     ?=
 PERF_ARGS ?=
 
 TRAIN    ?= embedded
-TRAIN_DRAFTERS ?= sd medusa eagle hass coral coral_router beagle moa moa_tli1
+# processes per machine for `make train` (DDP): NPROC=8 runs torchrun --nproc_per_node=8, one GPU per rank
+NPROC    ?= 1
+TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/torchrun --nproc_per_node=$(NPROC) -m specbench.train)
+# the trainable drafters, from their own YAMLs (specbench/trainable.py); expanded when `make train` runs, after setup
+TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
 .PHONY: setup test test-fast bench perf perf-drafters peer train trainmem figures download
 
@@ -75,7 +79,7 @@ trainmem: setup
 # add ARGS=train.resume=false to start over.
 train: setup
 	set -e; for d in $(TRAIN_DRAFTERS); do \
-		$(BIN)/python -m specbench.train drafter=$$d model=$(MODEL) train=$(TRAIN) $(ARGS); \
+		$(TRAIN_CMD) drafter=$$d model=$(MODEL) train=$(TRAIN) $(ARGS); \
 		rm -rf weights/$(MODEL)/$$d; mkdir -p weights/$(MODEL); \
 		cp -r checkpoints/$(MODEL)/$$d/final weights/$(MODEL)/$$d; \
 		cp checkpoints/$(MODEL)/$$d/log.jsonl weights/$(MODEL)/$$d/log.jsonl; \

@@ -33,66 +33,13 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
+from drafters.layers import CrossAttentionBlock
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.tree import visible
 from specbench.types import DraftTree, TargetState, VerifyResult
-
-
-class BeagleBlock(nn.Module):
-    """Cross-attention block: queries from [.., H] inputs, keys/values from [.., kv_dim] states (default H), the
-    target's MLP (width `intermediate`, default the target's). MoA's CA layer is the same block over LSA outputs."""
-
-    def __init__(self, target, kv_dim: int | None = None, intermediate: int | None = None):
-        super().__init__()
-        cfg = target.model.config
-        if intermediate is not None:
-            cfg = cfg.__class__.from_dict({**cfg.to_dict(), "intermediate_size": intermediate})
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        kv_dim = kv_dim or h
-        nkv = getattr(cfg, "num_key_value_heads", None) or nh
-        dh = getattr(cfg, "head_dim", None) or h // nh
-        bias = bool(getattr(cfg, "attention_bias", False))
-        norm = type(target.decoder.norm)
-        self.nh, self.nkv, self.dh = nh, nkv, dh
-        self.q_norm, self.post_norm = norm(h, eps=cfg.rms_norm_eps), norm(h, eps=cfg.rms_norm_eps)
-        self.kv_norm = norm(kv_dim, eps=cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(h, nh * dh, bias=bias)
-        self.k_proj = nn.Linear(kv_dim, nkv * dh, bias=bias)
-        self.v_proj = nn.Linear(kv_dim, nkv * dh, bias=bias)
-        self.o_proj = nn.Linear(nh * dh, h, bias=bias)
-        self.mlp = type(target.decoder.layers[0].mlp)(cfg)
-        self.rotary = type(target.decoder.rotary_emb)(config=cfg)
-
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary(x, pos)
-        return apply_rotary_pos_emb(x, x, cos, sin)[0]
-
-    def keys(self, states: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """states [B, K, H] at positions pos [B, K] -> K, V [B, nkv, K, dh] (RoPE on K)."""
-        b, n, _ = states.shape
-        x = self.kv_norm(states)
-        k = self.k_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
-        return self._rope(k, pos), v
-
-    def forward(self, emb: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None = None, states: torch.Tensor | None = None,
-                states_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """emb [B, Q, H] at positions pos [B, Q]; keys/values either cached (kv: K, V [B, nkv, K, dh]) or projected
-        here from states [B, K, H] at states_pos [B, K] (training: inside forward, as DDP wants); allowed
-        [B, 1, Q, K] bool, every row needs one True -> predicted states [B, Q, H]."""
-        k, v = kv if kv is not None else self.keys(states, states_pos)
-        b, n, _ = emb.shape
-        q = self.q_proj(self.q_norm(emb)).view(b, n, self.nh, self.dh).transpose(1, 2)
-        q = self._rope(q, pos)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.nh != self.nkv)
-        y = emb + self.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.dh))
-        return y + self.mlp(self.post_norm(y))
 
 
 def window_starts(length: int, window: int, offset: int, device) -> torch.Tensor:
@@ -147,8 +94,8 @@ class BeagleDrafter(TrainableDrafter):
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
     def build_module(cls, target, window: int = 5, sim_steps: int = 4, late_from_epoch: int = 1,
-                     vloss_weight: float = 10.0) -> BeagleBlock:
-        block = BeagleBlock(target).to(target.device)
+                     vloss_weight: float = 10.0) -> CrossAttentionBlock:
+        block = CrossAttentionBlock(target).to(target.device)
         block.window, block.sim_steps, block.late_from_epoch, block.vloss_weight = (window, sim_steps,
                                                                                    late_from_epoch, vloss_weight)
         return block

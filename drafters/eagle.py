@@ -33,25 +33,12 @@ from transformers import DynamicCache
 
 from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
+from drafters.layers import one_layer_decoder
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.checkpoints import check_keys, resolve, weight_file
 from specbench.errors import SpecbenchError
 from specbench.tree import tree_attention_mask
 from specbench.types import DraftTree, TargetState, VerifyResult
-
-
-def one_layer_decoder(target, **overrides) -> nn.Module:
-    """A one-layer decoder of the target's architecture (its attention, positions, MLP; config `overrides`), fed
-    with inputs_embeds: no token table, no final norm (outputs feed the target's LM head or another layer)."""
-    base = target.model.config
-    cfg = base.__class__.from_dict({**base.to_dict(), **overrides})
-    cfg.num_hidden_layers, cfg.vocab_size, cfg.pad_token_id = 1, 1, None  # no token table of its own
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:1]
-    body = type(target.decoder)(cfg)
-    body.embed_tokens = None
-    body.norm = nn.Identity()
-    return body
 
 
 class EagleHead(nn.Module):
@@ -155,11 +142,16 @@ class EagleDrafter(TrainableDrafter):
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
         self.head = self.load_module(target, checkpoint, module)
+        self.target = target
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.cache: DynamicCache | None = None
         self.verified = 0  # pairs of verified tokens in the head's cache
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (features [B,n,H], next tokens [B,n])
+
+    def save_authors_layout(self, out: Path) -> Path:
+        """This head in the authors' layout (save_authors_head): what `make peer` gives their EaModel."""
+        return save_authors_head(self.head, self.target, out)
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod

@@ -28,12 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specbench.drafter import KV, TrainableDrafter
-from drafters.beagle import BeagleBlock
 from drafters.distill import kl, teacher_probs, top1
-from drafters.eagle import one_layer_decoder
+from drafters.layers import CrossAttentionBlock, one_layer_decoder, target_layer
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.tree import tree_attention_mask, visible
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -73,7 +71,7 @@ class MoAModule(nn.Module):
         self.lsa = LayerSelfAttention(self.layers, self.kv_dim, lsa_head_dim, lsa_mlp, type(target.decoder.norm),
                                       cfg.rms_norm_eps)
         self.sa = one_layer_decoder(target, num_key_value_heads=sa_kv_heads, intermediate_size=sa_mlp)
-        self.ca = BeagleBlock(target, kv_dim=self.kv_dim, intermediate=ca_mlp)
+        self.ca = CrossAttentionBlock(target, kv_dim=self.kv_dim, intermediate=ca_mlp)
 
     def forward(self, emb: torch.Tensor, pos: torch.Tensor, sa_mask: torch.Tensor | None, lsa_in: torch.Tensor,
                 ca_allowed: torch.Tensor) -> torch.Tensor:
@@ -83,26 +81,6 @@ class MoAModule(nn.Module):
         states = self.lsa(lsa_in.reshape(b * t, self.layers, -1)).view(b, t, -1)
         q = self.sa(inputs_embeds=emb, position_ids=pos, attention_mask=sa_mask).last_hidden_state
         return self.ca(q, pos, ca_allowed, states=states, states_pos=pos)
-
-
-def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-                 allowed: torch.Tensor):
-    """One frozen target decoder layer (Llama family) on new rows x [B, Q, H] at pos [B, Q], over cached K/V
-    [B, nkv, P, dh] and the rows' own; allowed [B, 1, Q, P+Q] bool -> (out [B, Q, H], K, V of the rows)."""
-    attn = layer.self_attn
-    b, n, _ = x.shape
-    dh = attn.head_dim
-    h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(b, n, -1, dh).transpose(1, 2)
-    k = attn.k_proj(h).view(b, n, -1, dh).transpose(1, 2)
-    v = attn.v_proj(h).view(b, n, -1, dh).transpose(1, 2)
-    cos, sin = rotary(x, pos)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    keys, vals = torch.cat([past_k, k.to(past_k.dtype)], 2), torch.cat([past_v, v.to(past_v.dtype)], 2)
-    o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=allowed, scale=attn.scaling,
-                                       enable_gqa=q.shape[1] != keys.shape[1])
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
 
 
 def bounded_starts(length: int, low: int, high: int, gen: torch.Generator | None, device) -> torch.Tensor:

@@ -22,6 +22,10 @@ class ModelConfig:
     chat_template: str | None = None  # jinja; None = the tokenizer's own
     system_prompt: str | None = None  # None = no system turn (the template may add its default)
     attn_implementation: str = "sdpa"
+    # accelerate's device map for a target too large for one device (`auto`, or {module name: device}); null = the
+    # whole model on `device`. The engine works on the input embeddings' device; logits and hidden states come back
+    # there (specbench/target.py), and the cache is compacted on each layer's own device.
+    device_map: Any = None
     revision: str | None = None
     # drafter -> the hub repository of its authors' published weights for this target (`make download` puts them in
     # weights/<name>/<drafter>/, where the drafter configs look); only checkpoints that exist are listed
@@ -95,6 +99,8 @@ class TrainConfig:
     seed: int = 0
     resume: bool = True
     max_steps: int | None = None  # stop early (tests, smoke runs)
+    # DDP: how long ranks wait at a collective; rank 0 alone extracts the features first (hours at the paper budget)
+    dist_timeout_min: int = 360
 
 
 @dataclass
@@ -116,7 +122,6 @@ class PeerConfig:
     """specbench/peer.py (`make peer`): our eagle against the authors' eagle-llm on one head."""
 
     python: str = ".peer-venv/bin/python"  # the authors' environment (made by `make peer`)
-    checkpoint: str = "weights/${model.name}/eagle"  # the trained head both implementations load
     # target variants: null = as shipped; a number = the same weights with that RoPE base (eagle-llm hard-codes 10000)
     rope_thetas: list[Optional[float]] = field(default_factory=lambda: [None, 10000.0])
 
@@ -137,6 +142,7 @@ class RunConfig:
     trainmem: TrainMemConfig = field(default_factory=TrainMemConfig)
     drafters: list[str] = field(default_factory=list)  # specbench/perf_drafters.py: the drafters it measures
     peer: PeerConfig = field(default_factory=PeerConfig)
+    report: Any = None  # an experiment's tables and figures (conf/experiment/*.yaml `report:`, specbench/report.py)
 
 
 def register_schema() -> None:

@@ -19,6 +19,15 @@ import torch
 NEAR_TIE_ULPS = 8
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ (the shorter one's length if one is a prefix of the other), or
+    None if they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def classify(target, prompt_ids: list[int], common: list[int], ours: int, theirs: int) -> dict:
     """prompt + the tokens both runs emitted before the divergence -> {margin, top2, tolerance, kind}."""
     ids = torch.tensor([prompt_ids + common], device=target.device)

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from specbench.checkpoints import REPO, weight_file
 from specbench.config import ModelConfig, register_schema, to_dataclass
 from specbench.errors import SpecbenchError
-from specbench.run import cli, fail
+from specbench.cli import cli, fail
 
 log = logging.getLogger("specbench.download")
 

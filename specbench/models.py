@@ -98,14 +98,37 @@ def resolve_checkpoint(cfg: ModelConfig) -> str:
     return cfg.hf_id
 
 
+def unavailable(cfg: ModelConfig) -> str | None:
+    """Why the target cannot load, in one line with the command that fixes it, found without loading any weights
+    (a sweep's pre-flight); None when it can."""
+    if cfg.path:
+        if not (Path(cfg.path).expanduser() / "config.json").is_file():
+            return f"model {cfg.name!r}: no checkpoint at model.path={cfg.path} (no config.json there)"
+        return None
+    if cfg.gguf_package:
+        try:
+            package_file(cfg.gguf_package, cfg.gguf_file or "")
+        except MissingResource as e:
+            return f"model {cfg.name!r}: {e}"
+        return None
+    try:
+        AutoConfig.from_pretrained(cfg.hf_id, revision=cfg.revision)
+    except (OSError, ValueError) as e:
+        return (f"model {cfg.name!r} ({cfg.hf_id}) cannot be found: {str(e).splitlines()[0]} -- download it with "
+                f"`huggingface-cli download {cfg.hf_id}` (gated models: `huggingface-cli login` first), or point "
+                f"model.path=<local checkpoint dir>")
+    return None
+
+
 def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     ckpt = resolve_checkpoint(cfg)
+    placement = {} if cfg.device_map is None else {"device_map": _device_map(cfg.device_map)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(ckpt, revision=cfg.revision)
         model = AutoModelForCausalLM.from_pretrained(
-            ckpt, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation
+            ckpt, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation, **placement
         )
     except OSError as e:
         raise SpecbenchError(
@@ -117,8 +140,22 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
         tokenizer.chat_template = cfg.chat_template
     if tokenizer.chat_template is None:
         raise SpecbenchError(f"model {cfg.name!r} has no chat template: set model.chat_template")
-    model.to(device).eval().requires_grad_(False)
+    if cfg.device_map is None:
+        model.to(device)
+    else:  # placed by accelerate; the engine's tensors live where the input embeddings are
+        device = model.get_input_embeddings().weight.device
+    model.eval().requires_grad_(False)
     return model, tokenizer, device
+
+
+def _device_map(spec) -> str | dict[str, str | int]:
+    """`auto` (or balanced, sequential, ...) as accelerate takes it, or a {module name: device} mapping."""
+    if isinstance(spec, str):
+        return spec
+    try:
+        return {str(k): v for k, v in dict(spec).items()}
+    except (TypeError, ValueError):
+        raise SpecbenchError(f"model.device_map={spec!r} is neither a strategy (auto) nor a module -> device map") from None
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], system: str | None) -> list[int]:

@@ -1,6 +1,7 @@
 """`make peer`: our `eagle` against the authors' own EAGLE (PyPI eagle-llm==1.2.1, `EaModel`), one head in both.
 
-The trained head (weights/<model>/eagle) is written in the authors' layout (drafters/eagle.py save_authors_head) and
+The trained head (drafter=eagle: weights/<model>/eagle) is written in the authors' layout (the drafter's
+`save_authors_layout`, drafters/eagle.py) and
 both implementations load that one directory: ours through `drafter.checkpoint` (load_authors_head), theirs through
 `EaModel.from_pretrained` (in .peer-venv, peer/eagle_llm_side.py, a subprocess answering JSON lines). Both decode the
 same chat-templated prompts at T=0 with EAGLE-1's tree (`mc_sim_7b_63`) in fp32 on the same threads; the two
@@ -29,17 +30,17 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from drafters.eagle import EagleDrafter, save_authors_head
 from specbench.config import ModelConfig, register_schema
-from specbench.divergence import classify
+from specbench.divergence import classify, first_divergence
 from specbench.drafter import NoDrafter
 from specbench.engine import Engine
 from specbench.errors import SpecbenchError
 from specbench.models import load_model, resolve_checkpoint
-from specbench.perf import measure_and_save
-from specbench.run import Runner, cli
+from specbench.cli import cli, measure_and_save
+from specbench.run import Runner, inference_spec
 from specbench.target import TargetModel
 
 log = logging.getLogger("specbench.peer")
@@ -61,11 +62,6 @@ def steps_to(known: list[int], need: int) -> int:
         if n >= need:
             return k + 1
     raise SpecbenchError(f"the authors' generator stopped at {known[-1] if known else 0} tokens, {need} were needed")
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    return n if n is not None or len(a) == len(b) else min(len(a), len(b))
 
 
 # ---- the two targets: as shipped, or with another RoPE base ---------------------------------------------------------
@@ -167,8 +163,8 @@ def compare_variant(runner: Runner, cfg: DictConfig, rope_theta: float | None, w
         target = TargetModel(model, tok, device, mc.name)
     params = runner.decoding.sampling()
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    ours = {"greedy": Engine(target, NoDrafter(), params),
-            "eagle": Engine(target, EagleDrafter(target, checkpoint=str(head_dir), tree=tree), params)}
+    eagle = instantiate({**inference_spec(cfg.drafter), "checkpoint": str(head_dir)}, target=target, _convert_="object")
+    ours = {"greedy": Engine(target, NoDrafter(), params), "eagle": Engine(target, eagle, params)}
     theirs = AuthorsSide(cfg.peer.python, tdir, head_dir, torch.get_num_threads(), work / f"authors-{tdir.name}.log")
     eos, max_new = theirs.eos, runner.decoding.max_new_tokens
     if eos not in target.eos_token_ids:
@@ -237,10 +233,12 @@ def run_peer(cfg: DictConfig) -> dict:
     head_dir = work / "eagle-authors-layout"
     if head_dir.exists():
         shutil.rmtree(head_dir)
-    src = EagleDrafter.load_module(runner.target, cfg.peer.checkpoint, None)
-    save_authors_head(src, runner.target, head_dir)
+    trained = runner.make_drafter(cfg.drafter)  # our eagle with its trained head (drafter.checkpoint)
+    if not hasattr(trained, "save_authors_layout"):
+        raise SpecbenchError(f"make peer compares EAGLE heads: drafter={cfg.drafter.name} has no authors' layout")
+    trained.save_authors_layout(head_dir)
     variants = [compare_variant(runner, cfg, t, work, head_dir) for t in cfg.peer.rope_thetas]
-    return {"model": runner.model_cfg.name, "checkpoint": cfg.peer.checkpoint, "tree": cfg.tree.name,
+    return {"model": runner.model_cfg.name, "checkpoint": cfg.drafter.checkpoint, "tree": cfg.tree.name,
             "prompts": len(runner.questions), "max_new_tokens": runner.decoding.max_new_tokens,
             "repeats": runner.bench.repeats, "threads": torch.get_num_threads(),
             "authors": "eagle-llm==1.2.1 (EaModel.ea_generate / naive_generate), transformers==4.36.2",

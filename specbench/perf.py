@@ -14,20 +14,17 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from specbench.drafter import NoDrafter
-from specbench import envinfo
 from specbench.config import register_schema
 from specbench.engine import Engine, sync
 from specbench.errors import SpecbenchError
-from specbench.models import pick_device
-from specbench.records import atomic_write_json
-from specbench.run import CONF_DIR, Runner, cli, config_hash, fail
+from specbench.cli import CONF_DIR, cli, measure_and_save
+from specbench.run import Runner
 
 log = logging.getLogger("specbench.perf")
 
@@ -131,27 +128,6 @@ def print_report(r: dict) -> None:
 
 
 register_schema()
-
-
-def save_report(cfg: DictConfig, kind: str, report: dict, module: str) -> Path:
-    """results/<experiment>/<model>__<kind>__<config hash>/<module's last name>.json, with the run header."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    out = (Path(cfg.out.root) / cfg.out.experiment / f"{cfg.model.name}__{kind}__{config_hash(config)}"
-           / f"{module.rsplit('.', 1)[-1]}.json")
-    atomic_write_json(out, {"report": report, "config": config,
-                            **envinfo.header(module, pick_device(cfg.model.device))})
-    print(f"written: {out}")
-    return out
-
-
-def measure_and_save(cfg: DictConfig, measure, show, kind: str, module: str) -> None:
-    """A measuring entry point: run it (one-line errors), print its report, save it with the run header."""
-    try:
-        report = measure(cfg)
-    except SpecbenchError as e:
-        fail(e)
-    show(report)
-    save_report(cfg, kind, report, module)
 
 
 @hydra.main(config_path="../conf", config_name="perf", version_base="1.3")

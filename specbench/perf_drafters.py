@@ -21,9 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from specbench.config import register_schema
 from specbench.engine import Engine, Generation
 from specbench.errors import SpecbenchError
-from specbench.perf import measure_and_save
 from specbench.roundtrips import HostRoundTrips
-from specbench.run import Runner, cli
+from specbench.cli import cli, measure_and_save
+from specbench.run import Runner
 
 log = logging.getLogger("specbench.perf_drafters")
 

@@ -3,9 +3,12 @@ leaves either the old file or the new one; records are appended question by ques
 once), and a re-run of the same run resumes after the last finished question."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -26,6 +29,21 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def exclusive(run_dir: Path) -> Iterator[None]:
+    """Hold an exclusive lock named after a run while it is computed, so that parallel jobs (a sweep on a cluster,
+    hydra-submitit-launcher) that share it compute it once: the others wait, then find it finished and skip it.
+    A POSIX lock (fcntl.lockf) on `<experiment>/.locks/<run>`, which NFS and Lustre honour across nodes."""
+    lock = run_dir.parent / ".locks" / run_dir.name
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as f:
+        fcntl.lockf(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(f, fcntl.LOCK_UN)
 
 
 def read_jsonl(path: Path) -> list[dict]:

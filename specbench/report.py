@@ -1,6 +1,7 @@
 """`make figures` (`python -m specbench.report`): every paper table and figure, from the records in results/ only.
 
-For each experiment directory results/<experiment>/ that holds runs, the tables its experiment defines (TABLES):
+For each experiment directory results/<experiment>/ that holds runs, the tables and figures its experiment declares
+(conf/experiment/<experiment>.yaml, `report:`; adding an experiment touches that one file):
 markdown and LaTeX with the paper's rows and columns, our numbers, and in the caption the model, its dtype and the
 budget, the paper's draft tree, the tree (or chain) each drafter's runs decoded with (from their run.json) and the
 device(s) and commit(s) of the runs. Runs of different models (or dtypes, or presets) never share a table: each gets
@@ -23,6 +24,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from omegaconf import OmegaConf  # noqa: E402
+
+from specbench.cli import CONF_DIR  # noqa: E402
 from specbench.metrics import leviathan_improvement  # noqa: E402
 
 MISSING = "–"
@@ -66,31 +70,36 @@ def router_table(*datasets: str) -> Table:
                  "(papers/003 Sec. 3.3)", ("coral", "coral_router"), datasets, ("draft_ms", "verify_ms", "tau"))
 
 
-# the papers' trees (conf/experiment/<name>.yaml gives each and the paper's words; the captions add our runs' trees)
-BEAGLE_TREE = DYNAMIC_TREE.format(depth=6, topk=10, total=60) + " for EAGLE v2 and Beagle"  # papers/000 Sec. 5.1
-CORAL_TREE = "dynamic (depth 6, 60 tokens; top-k unstated, 10 in the HASS / EAGLE-2 code)"  # papers/003 Sec. 4.1
-MOA_TREE = DYNAMIC_TREE.format(depth=6, topk=8, total=62) + " for every method"  # papers/002 Sec. 4
+@dataclass(frozen=True)
+class AutoTable:
+    """Each drafter's paper-tree and tree=auto runs side by side (tree_auto_report)."""
 
-TABLES = {
-    "beagle_table1": [Table("table1", "Speed (tokens/s), speedup, τ and peak memory at T=0 (papers/000 Table 1)",
-                            ("none", "pld", "sd", "sd_tree", "medusa", "eagle", "eagle2", "hass", "coral", "coral_router",
-                             "beagle", "moa", "moa_tli1"),
-                            ("mtbench", "gsm8k", "cnndm"), ("speed", "spu", "tau", "mem"), paper_tree=BEAGLE_TREE),
-                      router_table("mtbench", "gsm8k", "cnndm")],
-    "eagle_alpha": [Table("alpha", "Chain drafting: τ and n-α (papers/004 Tables 1-2)", ("eagle", "sd", "pld"),
-                          ("mtbench", "gsm8k"), ("tau", "a0", "a1", "a2", "a3", "a4"), (0.0, 1.0),
-                          paper_tree="chains (papers/004 Sec. 5)")],
-    "coral_table2": [Table("table2", "τ / speedup (papers/003 Table 2)",
-                           ("eagle", "eagle2", "hass", "coral", "coral_router"), ("mtbench", "humaneval", "gsm8k"),
-                           ("tau", "spu"), (0.0, 1.0), mean=True, paper_tree=CORAL_TREE),
-                     router_table("mtbench", "humaneval", "gsm8k")],
-    "train_check": [Table("check", "The training pipeline's drafters on a question file (dataset=jsonl), T=0",
-                          ("none", "sd", "sd_tree", "medusa"), ("jsonl",), ("speed", "spu", "tau", "a0", "a1", "a2", "a3"))],
-    "moa_table2": [Table("table2", "Speedup and τ on the Spec-Bench categories (papers/002 Table 2)",
-                         ("eagle2", "moa", "moa_tli1", "sd", "sd_tree"),
-                         ("mtbench", "humaneval", "gsm8k", "alpaca", "cnndm", "qa"), ("spu", "tau"), mean=True,
-                         paper_tree=MOA_TREE)],
-}
+    name: str
+    datasets: tuple[str, ...]
+
+
+def experiment_report(exp: str) -> tuple[list, list[str]] | None:
+    """What an experiment renders, from its own YAML (conf/experiment/<exp>.yaml, `report:`): tables (`kind: table`,
+    the default, in the paper's layout; `router`; `auto`) and figures (leviathan, cost, tree_size). None when the
+    directory is not an experiment's or declares nothing."""
+    path = CONF_DIR / "experiment" / f"{exp}.yaml"
+    node = (OmegaConf.to_container(OmegaConf.load(path)) or {}).get("report") if path.is_file() else None
+    if not node:
+        return None
+    tables: list = []
+    for t in node.get("tables", []):
+        kind = t.get("kind", "table")
+        if kind == "router":
+            tables.append(router_table(*t["datasets"]))
+        elif kind == "auto":
+            tables.append(AutoTable(t["name"], tuple(t["datasets"])))
+        elif kind == "table":
+            tables.append(Table(t["name"], t["caption"], tuple(t["drafters"]), tuple(t["datasets"]),
+                                tuple(t["metrics"]), tuple(float(x) for x in t.get("temperatures", [0.0])),
+                                bool(t.get("mean", False)), t.get("paper_tree", "")))
+        else:
+            raise ValueError(f"{path}: report table kind {kind!r} is not table, router or auto")
+    return tables, list(node.get("figures", []))
 
 
 def _at(xs, i):
@@ -322,10 +331,10 @@ def trainmem(root: Path) -> None:
         save(fig, f.parent / "trainmem.png")
 
 
-def tree_auto_report(exp_dir: Path) -> list[Path]:
-    """conf/experiment/tree_auto.yaml: each drafter with its paper's tree and with the tree sized for the device
-    (tree=auto), the predicted speedup (specbench/costmodel.py, from run.json's `tree_auto`) next to the measured one,
-    per model setting; and a figure of predicted tokens/s against tree size with the measured points."""
+def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Path]:
+    """Each drafter with its paper's tree and with the tree sized for the device (tree=auto), the predicted speedup
+    (specbench/costmodel.py, from run.json's `tree_auto`) next to the measured one, per model setting; with `figure`,
+    predicted tokens/s against tree size with the measured points (conf/experiment/tree_auto.yaml)."""
     by_setting: dict[Setting, dict[tuple[str, str, str], dict]] = {}
     for run in sorted(exp_dir.glob("*/summary.json")):
         s = json.loads(run.read_text())
@@ -340,8 +349,9 @@ def tree_auto_report(exp_dir: Path) -> list[Path]:
     for setting, cells in sorted(by_setting.items()):
         stem = file_stem(setting, by_setting)
         drafters = sorted({d for d, _, v in cells if v != "none"})
-        datasets = [d for d in ("mtbench", "gsm8k", "cnndm") if any(k[1] == d for k in cells)]
-        head = ["method", "dataset", "paper tree: τ", "speedup", "auto tree", "τ", "predicted speedup",
+        present = {k[1] for k in cells}
+        datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
+        head = ["method", "dataset", "paper tree: τ", "speedup", "predicted", "auto tree", "τ", "predicted speedup",
                 "measured speedup", "error"]
         rows, errors = [], []
         for d in drafters:
@@ -354,23 +364,26 @@ def tree_auto_report(exp_dir: Path) -> list[Path]:
                 if err is not None:
                     errors.append(abs(err))
                 chosen = auto["chosen"] if auto else None
-                rows.append([d, ds, cell(p, "tau"), cell(p, "spu"),
-                             f"depth {chosen['depth']}, {chosen['total_tokens']} tokens" if chosen else MISSING,
+                base_pred = auto["base_predicted"]["speedup"] if auto else None
+                rows.append([d, ds, cell(p, "tau"), cell(p, "spu"), MISSING if base_pred is None else f"{base_pred:.2f}x",
+                             f"depth {chosen['depth']}, top-k {chosen['topk']}, {chosen['total_tokens']} tokens" if chosen else MISSING,
                              cell(a, "tau"), MISSING if pred is None else f"{pred:.2f}x", cell(a, "spu"),
                              MISSING if err is None else f"{err:+.0%}"])
         used = [c for c in cells.values()]
         mean_err = f"mean |error| {sum(errors) / len(errors):.0%} over {len(errors)} runs" if errors else "no auto runs"
         caption = (f"Each drafter at its paper's tree (dynamic: depth 6, top-k 10, 60 tokens) and at the tree sized "
                    f"for this device (tree=auto: the same policy's depth and token count that maximise predicted "
-                   f"tokens/s, specbench/costmodel.py), T=0; {setting.describe()}. Predicted speedup: the cost model "
-                   f"before the run; measured: against the baseline of the same job; {mean_err}. "
+                   f"tokens/s, specbench/costmodel.py), T=0; {setting.describe()}. Predicted speedups: the cost model "
+                   f"before the run (one calibration per drafter, on questions no table scores), for the auto tree and "
+                   f"for the paper tree; measured: against the baseline of the same job; auto tree {mean_err}. "
                    f"{provenance(used) if used else 'no runs yet'}.")
         md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         md += ["| " + " | ".join(r) + " |" for r in rows]
-        path = exp_dir / f"auto.{stem}.md"
+        path = exp_dir / f"{table.name}.{stem}.md"
         path.write_text("\n".join(md) + "\n")
         written.append(path)
-        figure_tree_size(cells, exp_dir / f"tree_size.{stem}.png")
+        if figure:
+            figure_tree_size(cells, exp_dir / f"tree_size.{stem}.png")
     return written
 
 
@@ -392,8 +405,10 @@ def figure_tree_size(cells: dict, path: Path) -> None:
     if base:
         ax.axhline(value(base, "speed"), color="grey", lw=0.8, label="baseline (measured)")
     ax.set_xlabel("tokens in the draft tree"), ax.set_ylabel("tokens/s (MT-Bench)")
-    ax.set_title("Predicted tokens/s vs tree size; o = tree=auto, x = paper tree (measured)", fontsize=8)
-    ax.legend(fontsize=6)
+    ax.set_title("Lines: the best predicted tree of each size (over depth and top-k); "
+                 "measured: o = tree=auto, x = paper tree (depth 6, top-k 10)", fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
     save(fig, path)
 
 
@@ -409,26 +424,28 @@ def file_stem(setting: Setting, settings: dict) -> str:
 
 def report(results: Path) -> list[Path]:
     written = []
-    for exp, tables in sorted(TABLES.items()):
-        exp_dir = results / exp
-        if not exp_dir.is_dir():
+    for exp_dir in sorted(p for p in results.iterdir() if p.is_dir()) if results.is_dir() else []:
+        spec = experiment_report(exp_dir.name)
+        if spec is None:
             continue
-        settings = load_runs(exp_dir)
+        tables, figures = spec
+        paper = [t for t in tables if isinstance(t, Table)]
+        settings = load_runs(exp_dir) if paper else {}
         for setting, runs in sorted(settings.items()):
             stem = file_stem(setting, settings)
-            for table in tables:
+            for table in paper:
                 md, tex = render(table, runs, setting)
                 for suffix, text in ((".md", md), (".tex", tex)):
                     path = exp_dir / f"{table.name}.{stem}{suffix}"
                     path.write_text(text)
                     written.append(path)
-            if exp == "eagle_alpha":
+            if "leviathan" in figures:
                 figure_leviathan(runs, exp_dir, stem)
-            if exp == "beagle_table1":
-                for ds in ("mtbench", "gsm8k", "cnndm"):
+            if "cost" in figures:
+                for ds in paper[0].datasets:
                     figure_cost(runs, exp_dir, ds, stem)
-    if (results / "tree_auto").is_dir():
-        written += tree_auto_report(results / "tree_auto")
+        for table in (t for t in tables if isinstance(t, AutoTable)):
+            written += tree_auto_report(exp_dir, table, "tree_size" in figures)
     training_curves(results / "training", results / "training")
     trainmem(results / "trainmem")
     return written

@@ -3,12 +3,10 @@ question set through the shared engine, written to results/<experiment>/<run>/."
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import sys
 import zlib
 from pathlib import Path
-from typing import Any
 
 import hydra
 import torch
@@ -20,37 +18,19 @@ from tqdm.auto import tqdm
 
 from specbench.drafter import Drafter
 from specbench import divergence, envinfo
+from specbench.cli import CONF_DIR, cli, config_hash, fail
+from specbench.divergence import first_divergence
 from specbench.config import BenchConfig, DatasetConfig, DecodingConfig, ModelConfig, register_schema, to_dataclass
 from specbench.data import Question, load_questions
 from specbench.engine import Engine, Generation
 from specbench.errors import SpecbenchError
 from specbench.metrics import PeakMemory, summarize
 from specbench.models import chat_prompt_ids, load_model
-from specbench.records import RunDir, atomic_write_json
+from specbench.records import RunDir, atomic_write_json, exclusive
 from specbench.sweep import missing_weights, record_failure
 from specbench.target import TargetModel
 
 log = logging.getLogger("specbench")
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-GROUPS = ("model", "drafter", "dataset", "decoding", "bench")
-
-
-def check_group_choices(argv: list[str]) -> None:
-    """One-line error for an unknown model/drafter/dataset name, before Hydra prints its multi-line report."""
-    for arg in argv:
-        key, eq, value = arg.lstrip("+~").partition("=")
-        if not eq or key not in GROUPS or value.startswith(("glob(", "range(", "choice(")):
-            continue
-        valid = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
-        for v in value.split(","):
-            if v and v not in valid:
-                raise SpecbenchError(f"unknown {key} {v!r}; valid: {', '.join(valid)}")
-
-
-def config_hash(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:8]
-
-
 def run_name(model: str, drafter: dict, dataset: dict, decoding: dict, bench: BenchConfig, seed: int) -> str:
     """Everything that changes the records goes into the name, so that runs of different configs never mix."""
     key = {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": bench.repeats,
@@ -81,13 +61,6 @@ def weights_digest(checkpoint: str) -> str:
         raise SpecbenchError(f"no drafter checkpoint at {checkpoint} (no model.safetensors or pytorch_model.bin): "
                              "run `make train`")
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 class Runner:
@@ -176,10 +149,14 @@ class Runner:
         baseline_dir, _ = self.run_dir_for(baseline_node)
         is_baseline = self.cfg.drafter.name == "none"
         if not is_baseline and self.bench.baseline:
-            self.run_one(baseline_node, None)
+            with exclusive(baseline_dir.path):  # parallel jobs sharing the baseline compute it once
+                self.run_one(baseline_node, None)
         run_dir, _ = self.run_dir_for(self.cfg.drafter)
-        base = baseline_dir if (not is_baseline and baseline_dir.exists()) else None
-        self.run_one(self.cfg.drafter, base)
+        if is_baseline:  # a sweep's own baseline job: the same lock as the drafter jobs' baseline-first
+            with exclusive(run_dir.path):
+                self.run_one(self.cfg.drafter, None)
+        else:
+            self.run_one(self.cfg.drafter, baseline_dir if baseline_dir.exists() else None)
         return run_dir
 
     def run_one(self, node: DictConfig, baseline: RunDir | None) -> RunDir:
@@ -274,20 +251,6 @@ def _headline(s: dict) -> str:
 
 
 register_schema()
-
-
-def fail(e: SpecbenchError) -> None:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
-def cli(hydra_entry) -> None:
-    """Check group names (one-line errors) before handing argv to a Hydra entry point."""
-    try:
-        check_group_choices(sys.argv[1:])
-    except SpecbenchError as e:
-        fail(e)
-    hydra_entry()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -1,8 +1,9 @@
 """A sweep that checks before it decodes and survives a failed job (Hydra callbacks, conf/config.yaml).
 
-- `on_multirun_start`: the pre-flight. Every job of the sweep is composed as the sweeper will compose it, and every
-  drafter with a `checkpoint` must find its weights for that model; all the missing ones are listed at once, each
-  with the command that makes them, and nothing is decoded.
+- `on_multirun_start`: the pre-flight. Every job of the sweep is composed as the sweeper will compose it; its target
+  must be there (checked without loading weights) and every drafter with a `checkpoint` must find its weights for
+  that model; all the missing pieces are listed at once, each with the command that makes or downloads it, and
+  nothing is decoded.
 - a job that fails (specbench.run records it in the sweep directory, `failed/<job>.json`) does not end the sweep;
 - `on_multirun_end`: the sweep exits non-zero naming every failed job.
 """
@@ -57,14 +58,17 @@ def record_failure(sweep_dir: str | Path, job: int, overrides: list[str], error:
 
 class SweepChecks(Callback):
     def on_multirun_start(self, config: DictConfig, config_name: str | None = None, **kwargs: Any) -> None:
+        from specbench.config import ModelConfig, to_dataclass
+        from specbench.models import unavailable
+
         problems: list[str] = []
         for job in job_overrides(config):
             cfg = compose(config_name=config_name or "config", overrides=job)
-            problem = missing_weights(cfg)
-            if problem and problem not in problems:
-                problems.append(problem)
+            for problem in (unavailable(to_dataclass(ModelConfig, cfg.model)), missing_weights(cfg)):
+                if problem and problem not in problems:
+                    problems.append(problem)
         if problems:
-            print(f"error: pre-flight: {len(problems)} drafter(s) of this sweep cannot run; nothing was decoded:",
+            print(f"error: pre-flight: {len(problems)} missing piece(s) for this sweep; nothing was decoded:",
                   file=sys.stderr)
             for p in problems:
                 print(f"  {p}", file=sys.stderr)

@@ -61,7 +61,9 @@ class TargetModel:
             use_cache=True,
         )
         hidden = out.last_hidden_state
-        return TargetForward(logits=self.lm_head(hidden[:, logits_rows]).float(), hidden=hidden)
+        logits = self.lm_head(hidden[:, logits_rows]).float()
+        # with a device map the last layers and the LM head may sit elsewhere: back to the engine's device (no-op else)
+        return TargetForward(logits=logits.to(self.device), hidden=hidden.to(self.device))
 
     def prefill(self, prompt: torch.Tensor, cache: DynamicCache) -> TargetForward:
         """prompt [B, L] -> logits of the last position [B, 1, V]; hidden [B, L, H]."""

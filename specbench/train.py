@@ -22,6 +22,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import hydra
@@ -41,14 +42,14 @@ from specbench.errors import SpecbenchError
 from specbench.features import FeatureSet, extract
 from specbench.metrics import PeakMemory
 from specbench.models import chat_prompt_ids, load_model
-from specbench.run import cli, fail
+from specbench.cli import cli, fail
 from specbench.selfdistill import target_answers
 from specbench.target import TargetModel
 from specbench.drafter import NoDrafter
 from specbench.types import SamplingParams
 
 log = logging.getLogger("specbench.train")
-RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype"}  # may change on resume
+RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype", "dist_timeout_min"}  # may change on resume
 OPTIM_KEYS = {"lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_clip_mode", "noise", "noise_scale"}
 
 
@@ -189,6 +190,14 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * done))
 
 
+def shard(order: list[int], rank: int, world: int) -> list[int]:
+    """This rank's share of an epoch's order, every rank the same length (a rank with fewer batches would wait forever
+    in the others' gradient all-reduce): the order is wrapped around to a multiple of `world` first, as
+    DistributedSampler pads, so a few conversations appear twice in an epoch when the count does not divide."""
+    need = -(-len(order) // world) * world  # the next multiple of world
+    return [order[i % len(order)] for i in range(need)][rank::world]
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -210,12 +219,13 @@ class Trainer:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=timedelta(minutes=self.tc.dist_timeout_min))
+        if self.world > 1 and torch.cuda.is_available() and self.model_cfg.device in ("auto", "cuda"):
+            local = int(os.environ.get("LOCAL_RANK", "0"))  # each rank loads the target straight onto its own GPU
+            torch.cuda.set_device(local)
+            self.model_cfg.device = f"cuda:{local}"
         model, tok, device = load_model(self.model_cfg)
-        if device.type == "cuda" and self.world > 1:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            model.to(device)
-            torch.cuda.set_device(device)
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -232,6 +242,7 @@ class Trainer:
                 "env": envinfo.device_info(self.target.device), "versions": envinfo.versions()}
 
     def run(self) -> Path:
+        """Features, then epochs of steps, validation and a `last/` checkpoint after each, then `final/`."""
         tc, dev = self.tc, self.target.device
         torch.manual_seed(tc.seed)
         needs_kv = KV in getattr(self.cls, "needs", ())
@@ -241,24 +252,11 @@ class Trainer:
         params = [p for p in module.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
                                 fused=dev.type == "cuda")
-        first_epoch, step = 0, 0
-        last = self.out / "last"
-        if tc.resume and (last / "config.json").is_file():
-            meta = load_checkpoint(last, module, self.target, self.cls.name)
-            defaults = asdict(TrainConfig())  # a key the checkpoint predates was at its default then
-            # a `last` from another budget would silently continue (or, finished, stand in for) a different training
-            changed = sorted(k for k, v in asdict(tc).items()
-                             if k not in RESUME_FREE and json.dumps(meta["train"].get(k, defaults.get(k))) != json.dumps(v))
-            if changed:
-                raise SpecbenchError(f"{last} was trained with another budget ({', '.join(changed)} differ): "
-                                     "add train.resume=false to start over, or remove it")
-            opt.load_state_dict(torch.load(last / "trainer_state.pt", weights_only=True)["optimizer"])
-            first_epoch, step = meta["epoch"] + 1, meta["step"]
-            log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], step)
+        first_epoch, step = self._resume(module, opt)
         model = torch.nn.parallel.DistributedDataParallel(module) if self.world > 1 else module
         index = train_set.index()
         val_items = [val_set.load(*ix) for ix in val_set.index()]  # small, read once, every epoch's validation
-        total_steps = tc.epochs * math.ceil(len(index[self.rank :: self.world]) / tc.batch_size)
+        total_steps = tc.epochs * math.ceil(len(shard(list(range(len(index))), self.rank, self.world)) / tc.batch_size)
         if tc.max_steps is not None:
             total_steps = min(total_steps, tc.max_steps)
         logf = self.out / "log.jsonl"
@@ -266,64 +264,17 @@ class Trainer:
             logf.unlink(missing_ok=True)  # a fresh start: the log describes this training's checkpoints only
         mem = PeakMemory(dev)
         noise_gen = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
-        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
         metrics: dict = {}
         for epoch in range(first_epoch, tc.epochs):
-            order = list(range(len(index)))
-            random.Random(tc.seed + epoch).shuffle(order)
-            order = order[self.rank :: self.world]
-            batches = [order[i : i + tc.batch_size] for i in range(0, len(order), tc.batch_size)]
             mem.reset()
-            t0, tokens, done = time.perf_counter(), 0, False
-            bar = tqdm(batches, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch",
-                       disable=self.rank != 0, dynamic_ncols=True)
-            for b in bar:
-                batch = collate([train_set.load(*index[i], kv=needs_kv) for i in b], dev)
-                add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(step, tc, total_steps)
-                opt.zero_grad(set_to_none=True)
-                loss, parts = 0.0, {}
-                # one or more independent graphs (Beagle's simulated steps), each backpropagated as soon as it is
-                # built, so that peak memory is one graph's; gradients accumulate
-                pieces = self.cls.training_steps(model, batch, self.target, epoch)
-                while True:
-                    with autocast:
-                        piece = next(pieces, None)
-                    if piece is None:
-                        break
-                    if not math.isfinite(piece[0].item()):
-                        raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
-                    piece[0].backward()
-                    loss, parts = loss + piece[0].item(), {**parts, **piece[1]}
-                if tc.grad_clip_mode == "value":  # the norm is logged either way (inf: measure, do not rescale)
-                    gnorm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
-                    torch.nn.utils.clip_grad_value_(params, tc.grad_clip)
-                else:
-                    gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-                opt.step()
-                step += 1
-                tokens += batch.tokens
-                bar.set_postfix(loss=f"{loss:.3f}")
-                if self.rank == 0 and step % tc.log_every == 0:
-                    self._log(logf, {"kind": "train", "epoch": epoch, "step": step, "loss": loss, **parts,
-                                     "grad_norm": float(gnorm), "lr": lr_at(step, tc, total_steps),
-                                     "tokens_per_s": tokens * self.world / (time.perf_counter() - t0)})
-                if tc.max_steps is not None and step >= tc.max_steps:
-                    done = True
-                    break
+            t0 = time.perf_counter()
+            step, tokens, done = self._epoch(model, params, opt, train_set, index, epoch, step, total_steps, logf,
+                                             noise_gen, needs_kv)
             epoch_s = time.perf_counter() - t0
             if self.rank == 0:
-                val = validate(self.cls, module, val_items, tc, self.target)
-                module.eval()
-                val |= self.cls.validation_extras(module, val_items, self.target)
-                module.train()
-                metrics = {"kind": "val", "epoch": epoch, "step": step, **val, "epoch_s": epoch_s,
-                           "train_tokens_per_s": tokens * self.world / epoch_s, **mem.read()}
-                self._log(logf, metrics)
-                log.info("epoch %d: sim tau %.3f, alpha %s", epoch + 1, val["sim_tau"],
-                         " ".join(f"{a:.2f}" for a in val["alpha"]))
-                save_checkpoint(last, module, self.target, self.meta(epoch, step, metrics), extra={"optimizer": opt.state_dict()})
+                metrics = self._validate(module, val_items, epoch, step, epoch_s, tokens, mem, logf)
+                save_checkpoint(self.out / "last", module, self.target, self.meta(epoch, step, metrics),
+                                extra={"optimizer": opt.state_dict()})
             if dist.is_initialized():
                 dist.barrier()
             if done:
@@ -334,6 +285,90 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()
         return final
+
+    def _resume(self, module, opt) -> tuple[int, int]:
+        """(first epoch, step): after the last finished epoch of `last/`, refused when made under another budget."""
+        tc, last = self.tc, self.out / "last"
+        if not (tc.resume and (last / "config.json").is_file()):
+            return 0, 0
+        meta = load_checkpoint(last, module, self.target, self.cls.name)
+        defaults = asdict(TrainConfig())  # a key the checkpoint predates was at its default then
+        # a `last` from another budget would silently continue (or, finished, stand in for) a different training
+        changed = sorted(k for k, v in asdict(tc).items()
+                         if k not in RESUME_FREE and json.dumps(meta["train"].get(k, defaults.get(k))) != json.dumps(v))
+        if changed:
+            raise SpecbenchError(f"{last} was trained with another budget ({', '.join(changed)} differ): "
+                                 "add train.resume=false to start over, or remove it")
+        opt.load_state_dict(torch.load(last / "trainer_state.pt", weights_only=True)["optimizer"])
+        log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], meta["step"])
+        return meta["epoch"] + 1, meta["step"]
+
+    def _epoch(self, model, params, opt, train_set, index, epoch: int, step: int, total_steps: int, logf: Path,
+               noise_gen: torch.Generator, needs_kv: bool) -> tuple[int, int, bool]:
+        """One epoch of this rank's shard -> (step, tokens trained on, whether max_steps was reached)."""
+        tc, dev = self.tc, self.target.device
+        order = list(range(len(index)))
+        random.Random(tc.seed + epoch).shuffle(order)
+        order = shard(order, self.rank, self.world)
+        batches = [order[i : i + tc.batch_size] for i in range(0, len(order), tc.batch_size)]
+        t0, tokens = time.perf_counter(), 0
+        bar = tqdm(batches, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch",
+                   disable=self.rank != 0, dynamic_ncols=True)
+        for b in bar:
+            batch = collate([train_set.load(*index[i], kv=needs_kv) for i in b], dev)
+            add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, tc, total_steps)
+            loss, parts, gnorm = self._step(model, params, opt, batch, epoch, step)
+            step += 1
+            tokens += batch.tokens
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if self.rank == 0 and step % tc.log_every == 0:
+                self._log(logf, {"kind": "train", "epoch": epoch, "step": step, "loss": loss, **parts,
+                                 "grad_norm": float(gnorm), "lr": lr_at(step, tc, total_steps),
+                                 "tokens_per_s": tokens * self.world / (time.perf_counter() - t0)})
+            if tc.max_steps is not None and step >= tc.max_steps:
+                return step, tokens, True
+        return step, tokens, False
+
+    def _step(self, model, params, opt, batch, epoch: int, step: int) -> tuple[float, dict, torch.Tensor]:
+        """One optimiser step -> (loss, its named parts, the gradient norm before clipping)."""
+        tc = self.tc
+        autocast = torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
+        opt.zero_grad(set_to_none=True)
+        loss, parts = 0.0, {}
+        # one or more independent graphs (Beagle's simulated steps), each backpropagated as soon as it is built, so
+        # that peak memory is one graph's; gradients accumulate
+        pieces = self.cls.training_steps(model, batch, self.target, epoch)
+        while True:
+            with autocast:
+                piece = next(pieces, None)
+            if piece is None:
+                break
+            if not math.isfinite(piece[0].item()):
+                raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
+            piece[0].backward()
+            loss, parts = loss + piece[0].item(), {**parts, **piece[1]}
+        if tc.grad_clip_mode == "value":  # the norm is logged either way (inf: measure, do not rescale)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
+            torch.nn.utils.clip_grad_value_(params, tc.grad_clip)
+        else:
+            gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        opt.step()
+        return loss, parts, gnorm
+
+    def _validate(self, module, val_items, epoch: int, step: int, epoch_s: float, tokens: int, mem: PeakMemory,
+                  logf: Path) -> dict:
+        """The epoch's validation (rank 0), logged -> the metrics its checkpoint records."""
+        val = validate(self.cls, module, val_items, self.tc, self.target)
+        module.eval()
+        val |= self.cls.validation_extras(module, val_items, self.target)
+        module.train()
+        metrics = {"kind": "val", "epoch": epoch, "step": step, **val, "epoch_s": epoch_s,
+                   "train_tokens_per_s": tokens * self.world / epoch_s, **mem.read()}
+        self._log(logf, metrics)
+        log.info("epoch %d: sim tau %.3f, alpha %s", epoch + 1, val["sim_tau"], " ".join(f"{a:.2f}" for a in val["alpha"]))
+        return metrics
 
     @staticmethod
     def _log(path: Path, row: dict) -> None:

@@ -33,7 +33,7 @@ from specbench.errors import SpecbenchError
 from specbench.metrics import PeakMemory, _peak_rss
 from specbench.models import load_model, pick_device
 from specbench.records import atomic_write_json
-from specbench.run import cli, config_hash, fail
+from specbench.cli import cli, config_hash, fail
 from specbench.target import TargetModel
 
 STEP_OPTION = {"hass": "steps", "coral": "steps", "beagle": "sim_steps"}  # the module option that sets s

@@ -154,3 +154,24 @@ def test_hidden_states_and_compacted_cache_equal_a_plain_forward(seed):
         for (k, v), (k0, v0) in zip(kv, cache_kv(cache)):
             torch.testing.assert_close(k, k0, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(v, v0, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["pld", "sd", "eagle2", "medusa", "moa_tli1"])
+def test_a_target_placed_by_a_device_map_decodes_losslessly(name, tiny_checkpoint):
+    """model.device_map (accelerate, as a 70B target across GPUs loads): every layer mapped, here all to `cpu`, through
+    the same loading and decoding path; drafters that read hidden states, the target's K/V and its last layer."""
+    import json
+
+    from specbench.config import ModelConfig
+    from specbench.models import load_model
+
+    layers = json.loads((tiny_checkpoint / "config.json").read_text())["num_hidden_layers"]
+    dmap = {"model.embed_tokens": "cpu", **{f"model.layers.{i}": "cpu" for i in range(layers)}, "model.norm": "cpu",
+            "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    model, tok, dev = load_model(ModelConfig(name="tiny", hf_id="tiny", path=str(tiny_checkpoint), device="cpu",
+                                             device_map=dmap))
+    assert dev == torch.device("cpu") and all(p.device == dev for p in model.parameters())
+    target = TargetModel(model, tok, dev, "tiny")
+    drafter = make_drafter(name, target)
+    for prompt in PROMPTS:
+        assert engine_greedy(target, drafter, prompt, 40) == hf_greedy(model, prompt, 40)

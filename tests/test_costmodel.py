@@ -8,6 +8,7 @@ import torch
 from drafters.trees import DynamicTree, Level, StaticTree
 from specbench import costmodel
 from specbench.costmodel import DrafterCost, StepTrace, TargetCost, best_tree, kept_nodes, predicted_tau
+from specbench.report import report
 from specbench.run import Runner
 from specbench.tree import node_depths
 
@@ -103,7 +104,8 @@ def test_the_choice_follows_the_measured_costs():
 @pytest.mark.slow
 def test_a_run_with_tree_auto_records_its_choice_and_is_lossless(make_cfg, tmp_path):
     cfg = make_cfg("drafter=eagle2", "drafter.checkpoint=null", "tree=auto", "tree.questions=2",
-                   "tree.new_tokens=12", f"model.cache_dir={tmp_path / 'cache'}", "dataset.limit=1")
+                   "tree.new_tokens=12", f"model.cache_dir={tmp_path / 'cache'}", "dataset.limit=1",
+                   "out.experiment=tree_auto")
     run_dir = Runner(cfg).execute()
     run = json.loads(run_dir.run_json.read_text())
     auto = run["tree_auto"]
@@ -115,3 +117,11 @@ def test_a_run_with_tree_auto_records_its_choice_and_is_lossless(make_cfg, tmp_p
     assert len(files) == 2  # the target's cost and the drafter's, cached
     Runner(cfg).make_drafter(cfg.drafter)  # a second resolution reads the cache
     assert len(list((tmp_path / "cache" / "costmodel").rglob("*.json"))) == 2
+    # the experiment's table: the auto run's chosen tree and predicted speedup next to its measured one
+    written = report(tmp_path / "results")
+    table = (tmp_path / "results" / "tree_auto" / "auto.tiny.md").read_text()
+    assert written and "tree=auto" in table.splitlines()[0]
+    row = next(line for line in table.splitlines() if line.startswith("| eagle2 | jsonl |"))
+    chosen = auto["chosen"]
+    assert f"depth {chosen['depth']}, top-k {chosen['topk']}, {chosen['total_tokens']} tokens" in row
+    assert f"{auto['predicted']['speedup']:.2f}x" in row

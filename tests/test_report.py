@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from specbench.records import read_jsonl
-from specbench.report import TABLES, Setting, Table, load_runs, render, report, tree_of
+from specbench.report import Setting, Table, experiment_report, load_runs, render, report, tree_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_caption_names_each_drafters_tree():
     assert tree_of({"name": "medusa", "tree": [[0], [1], [0, 0]]}) == "static (3 nodes, depth 2: 2/1 per depth)"
     # every paper table names the paper's tree
     assert all(t.paper_tree for exp in ("beagle_table1", "coral_table2", "moa_table2", "eagle_alpha")
-               for t in TABLES[exp] if t.name != "router")
+               for t in experiment_report(exp)[0] if t.name != "router")
 
 
 def test_a_table_from_two_devices_says_so():

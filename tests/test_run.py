@@ -164,7 +164,7 @@ def test_sweep_preflight_lists_every_missing_drafter_before_decoding(tmp_path, t
     res = sweep_cli(tmp_path, tiny_checkpoint, question_file, "drafter=none,pld,eagle2,medusa")
     assert res.returncode == 2, res.stderr[-2000:]
     err = res.stderr
-    assert "pre-flight: 2 drafter(s)" in err and "nothing was decoded" in err
+    assert "pre-flight: 2 missing piece(s)" in err and "nothing was decoded" in err
     assert "drafter=eagle2 on model=tiny: no weights at weights/tiny/eagle" in err
     assert "make train MODEL=tiny TRAIN_DRAFTERS=eagle" in err and "TRAIN_DRAFTERS=medusa" in err
     assert not (tmp_path / "results").exists()
@@ -184,3 +184,31 @@ def test_a_failed_job_does_not_end_the_sweep(tmp_path, tiny_checkpoint, question
     finished = sorted(p.parent.name.split("__")[1] for p in (tmp_path / "results" / "adhoc").glob("*/summary.json"))
     assert finished == ["none", "pld"]
     assert not list((tmp_path / "results" / "adhoc").glob("*__eagle2__*"))
+
+
+def test_two_parallel_jobs_compute_their_shared_baseline_once(tmp_path, tiny_checkpoint, question_file):
+    """Hydra's submitit launcher (its local flavour here, SLURM on a cluster) starts both jobs at once and each runs the
+    baseline first: one computes it under the run's lock, the other waits and finds it finished. One complete
+    baseline, no record twice, and both speedups divide by it."""
+    res = sweep_cli(tmp_path, tiny_checkpoint, question_file, "drafter=pld", "drafter.num_pred_tokens=4,6",
+                    "decoding.max_new_tokens=48", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert res.returncode == 0, res.stderr[-3000:]
+    exp = tmp_path / "results" / "adhoc"
+    (base,) = exp.glob("tiny__none__*")
+    keys = [(r["repeat"], r["question_id"], r["turn"]) for r in read_jsonl(base / "records.jsonl")]
+    assert len(keys) == len(set(keys)) == 4  # 3 questions, the first with 2 turns
+    runs = sorted(exp.glob("tiny__pld__*/summary.json"))
+    assert len(runs) == 2
+    for run in runs:
+        s = json.loads(run.read_text())
+        assert s["baseline_run"] == base.name and s["speedup"]["mean"] > 0
+    assert (exp / ".locks" / base.name).is_file()
+
+
+def test_sweep_preflight_names_a_target_that_is_not_there(tmp_path, tiny_checkpoint, question_file):
+    res = sweep_cli(tmp_path, tmp_path / "nothing", question_file, "drafter=none,pld")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "pre-flight: 1 missing piece(s)" in res.stderr
+    assert f"model 'tiny': no checkpoint at model.path={tmp_path / 'nothing'}" in res.stderr
+    assert not (tmp_path / "results").exists()

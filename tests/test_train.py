@@ -332,3 +332,13 @@ def test_grad_clip_mode_is_checked_and_value_clipping_clamps(make_cfg, tmp_path,
     final = Trainer(make_cfg("drafter=eagle", *train_overrides(tmp_path, sharegpt_file, **{
         "train.epochs": 1, "train.grad_clip_mode": "value", "train.grad_clip": 0.01}))).run()
     assert read_meta(final)["train"]["grad_clip_mode"] == "value"
+
+
+@pytest.mark.parametrize(("n", "world"), [(7, 2), (9, 4), (8, 2), (1, 3)])
+def test_every_rank_gets_the_same_number_of_batches(n, world):
+    """Uneven data: a rank with fewer batches would hang in the others' all-reduce; every item is used."""
+    from specbench.train import shard
+
+    shards = [shard(list(range(n)), r, world) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1
+    assert set().union(*shards) == set(range(n))

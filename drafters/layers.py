@@ -1,0 +1,95 @@
+"""Building blocks that several drafters use, in one place: a one-layer decoder of the target's architecture (EAGLE's
+head body, MoA's self-attention layer), the cross-attention block (Beagle's drafter, MoA's CA layer) and one frozen
+target decoder layer run functionally on new rows (MoA's Target Layer Inference)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+
+def one_layer_decoder(target, **overrides) -> nn.Module:
+    """A one-layer decoder of the target's architecture (its attention, positions, MLP; config `overrides`), fed
+    with inputs_embeds: no token table, no final norm (outputs feed the target's LM head or another layer)."""
+    base = target.model.config
+    cfg = base.__class__.from_dict({**base.to_dict(), **overrides})
+    cfg.num_hidden_layers, cfg.vocab_size, cfg.pad_token_id = 1, 1, None  # no token table of its own
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:1]
+    body = type(target.decoder)(cfg)
+    body.embed_tokens = None
+    body.norm = nn.Identity()
+    return body
+
+
+class CrossAttentionBlock(nn.Module):
+    """Cross-attention block: queries from [.., H] inputs, keys/values from [.., kv_dim] states (default H), the
+    target's MLP (width `intermediate`, default the target's). MoA's CA layer is the same block over LSA outputs."""
+
+    def __init__(self, target, kv_dim: int | None = None, intermediate: int | None = None):
+        super().__init__()
+        cfg = target.model.config
+        if intermediate is not None:
+            cfg = cfg.__class__.from_dict({**cfg.to_dict(), "intermediate_size": intermediate})
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        kv_dim = kv_dim or h
+        nkv = getattr(cfg, "num_key_value_heads", None) or nh
+        dh = getattr(cfg, "head_dim", None) or h // nh
+        bias = bool(getattr(cfg, "attention_bias", False))
+        norm = type(target.decoder.norm)
+        self.nh, self.nkv, self.dh = nh, nkv, dh
+        self.q_norm, self.post_norm = norm(h, eps=cfg.rms_norm_eps), norm(h, eps=cfg.rms_norm_eps)
+        self.kv_norm = norm(kv_dim, eps=cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, nh * dh, bias=bias)
+        self.k_proj = nn.Linear(kv_dim, nkv * dh, bias=bias)
+        self.v_proj = nn.Linear(kv_dim, nkv * dh, bias=bias)
+        self.o_proj = nn.Linear(nh * dh, h, bias=bias)
+        self.mlp = type(target.decoder.layers[0].mlp)(cfg)
+        self.rotary = type(target.decoder.rotary_emb)(config=cfg)
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(x, pos)
+        return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+    def keys(self, states: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """states [B, K, H] at positions pos [B, K] -> K, V [B, nkv, K, dh] (RoPE on K)."""
+        b, n, _ = states.shape
+        x = self.kv_norm(states)
+        k = self.k_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
+        return self._rope(k, pos), v
+
+    def forward(self, emb: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, states: torch.Tensor | None = None,
+                states_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """emb [B, Q, H] at positions pos [B, Q]; keys/values either cached (kv: K, V [B, nkv, K, dh]) or projected
+        here from states [B, K, H] at states_pos [B, K] (training: inside forward, as DDP wants); allowed
+        [B, 1, Q, K] bool, every row needs one True -> predicted states [B, Q, H]."""
+        k, v = kv if kv is not None else self.keys(states, states_pos)
+        b, n, _ = emb.shape
+        q = self.q_proj(self.q_norm(emb)).view(b, n, self.nh, self.dh).transpose(1, 2)
+        q = self._rope(q, pos)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.nh != self.nkv)
+        y = emb + self.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.dh))
+        return y + self.mlp(self.post_norm(y))
+
+
+def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                 allowed: torch.Tensor):
+    """One frozen target decoder layer (Llama family) on new rows x [B, Q, H] at pos [B, Q], over cached K/V
+    [B, nkv, P, dh] and the rows' own; allowed [B, 1, Q, P+Q] bool -> (out [B, Q, H], K, V of the rows)."""
+    attn = layer.self_attn
+    b, n, _ = x.shape
+    dh = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(b, n, -1, dh).transpose(1, 2)
+    k = attn.k_proj(h).view(b, n, -1, dh).transpose(1, 2)
+    v = attn.v_proj(h).view(b, n, -1, dh).transpose(1, 2)
+    cos, sin = rotary(x, pos)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    keys, vals = torch.cat([past_k, k.to(past_k.dtype)], 2), torch.cat([past_v, v.to(past_v.dtype)], 2)
+    o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=allowed, scale=attn.scaling,
+                                       enable_gqa=q.shape[1] != keys.shape[1])
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
