@@ -34,6 +34,17 @@ from specbench.tree import is_chain
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
+# The sparse tree Medusa's authors decode their published 7B heads with (FasterDecoding/Medusa
+# medusa/model/medusa_choices.py `mc_sim_7b_63`, the default of their MedusaModel; copied exactly, 63 paths of top-k
+# ranks per head). Used for `tree: auto` with a checkpoint in their layout, which has no measured accuracies.
+MEDUSA_MC_SIM_7B_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5], [0, 0, 1], [5],
+    [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9], [1, 0, 0], [0, 2, 0],
+    [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0],
+    [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2],
+    [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0]]
+
+
 class MedusaHeads(nn.Module):
     """K residual blocks; with `vocab`, each head also has its own LM head W2_k (the paper's layout, as the published
     heads ship it: decoding only); without, they share the target's frozen LM head (trained here)."""
@@ -96,7 +107,10 @@ class MedusaDrafter(TrainableDrafter):
         if isinstance(tree, str):
             if tree != "auto":
                 raise SpecbenchError(f"medusa: tree={tree!r} is neither a list of top-rank paths nor 'auto'")
-            tree = paths_from_accuracies(self.measured_accuracies(checkpoint), tree_nodes)
+            if checkpoint and (resolve(checkpoint) / "medusa_lm_head.pt").is_file():
+                tree = MEDUSA_MC_SIM_7B_63  # published heads carry no measured accuracies: their authors' own tree
+            else:
+                tree = paths_from_accuracies(self.measured_accuracies(checkpoint), tree_nodes)
         self.paths, parents = sorted_paths(tree or [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]][:k], max_depth=k)
         self.parents = torch.tensor([parents], device=target.device)
         self.is_chain = is_chain(parents)  # e.g. the default chain of top-1 heads: verified with the causal mask

@@ -62,16 +62,22 @@ class SweepChecks(Callback):
         from specbench.models import unavailable
 
         problems: list[str] = []
+        ready: list[str] = []  # drafters whose every job can run
+        blocked: set[str] = set()
         for job in job_overrides(config):
             cfg = compose(config_name=config_name or "config", overrides=job)
-            for problem in (unavailable(to_dataclass(ModelConfig, cfg.model)), missing_weights(cfg)):
-                if problem and problem not in problems:
-                    problems.append(problem)
+            found = [p for p in (unavailable(to_dataclass(ModelConfig, cfg.model)), missing_weights(cfg)) if p]
+            (blocked.add if found else ready.append)(cfg.drafter.name)
+            problems += [p for p in found if p not in problems]
         if problems:
             print(f"error: pre-flight: {len(problems)} missing piece(s) for this sweep; nothing was decoded:",
                   file=sys.stderr)
             for p in problems:
                 print(f"  {p}", file=sys.stderr)
+            runnable = [d for d in dict.fromkeys(ready) if d not in blocked]
+            if runnable:  # e.g. a GPU target with published weights for some drafters only
+                print(f"  or decode only the drafters that can run: drafter={','.join(runnable)} "
+                      f"(make bench ARGS='drafter={','.join(runnable)}')", file=sys.stderr)
             sys.exit(2)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -183,8 +183,12 @@ def test_published_medusa_heads_load_with_their_own_lm_heads_and_decode_lossless
     torch.testing.assert_close(drafter.heads.w2[3].weight, state["3.1.weight"].half().float())
     prompt = [5, 17, 33, 17, 33, 9, 2, 40]
     assert Engine(target, drafter, SamplingParams()).generate(prompt, 24).new_tokens == hf_greedy(target.model, prompt, 24)
-    with pytest.raises(SpecbenchError, match="tree=auto needs"):  # no measured accuracies in a published checkpoint
-        MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree="auto")
+    # no measured accuracies in a published checkpoint: `tree: auto` decodes with the authors' own mc_sim_7b_63
+    from drafters.medusa import MEDUSA_MC_SIM_7B_63
+
+    drafter = MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree="auto")
+    assert len(MEDUSA_MC_SIM_7B_63) == 63 and sorted(map(tuple, drafter.paths)) == sorted(map(tuple, MEDUSA_MC_SIM_7B_63))
+    assert Engine(target, drafter, SamplingParams()).generate(prompt, 24).new_tokens == hf_greedy(target.model, prompt, 24)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

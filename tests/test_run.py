@@ -167,6 +167,7 @@ def test_sweep_preflight_lists_every_missing_drafter_before_decoding(tmp_path, t
     assert "pre-flight: 2 missing piece(s)" in err and "nothing was decoded" in err
     assert "drafter=eagle2 on model=tiny: no weights at weights/tiny/eagle" in err
     assert "make train MODEL=tiny TRAIN_DRAFTERS=eagle" in err and "TRAIN_DRAFTERS=medusa" in err
+    assert "or decode only the drafters that can run: drafter=none,pld (make bench ARGS='drafter=none,pld')" in err
     assert not (tmp_path / "results").exists()
 
 
