@@ -6,8 +6,9 @@ several. `tree=auto` (conf/tree/auto.yaml) picks, per drafter, the depth d, top-
 on this device:
 
   cost (measured here, cached per device / model / dtype / drafter weights, `calibrate`):
-    t_verify(Q)   one target forward over Q new tokens (the root + Q-1 nodes, tree mask) behind the calibration
-                  prompts' mean context, cache cropped back: median of `repeats` after a warm-up; linear between Q's
+    t_verify(Q)   one target forward over Q new tokens (the root + Q-1 nodes, tree mask) behind the run's own mean
+                  context (its prompts + half its new tokens), cache cropped back: median of `repeats` after a
+                  warm-up; linear between Q's; and the prefill of the run's mean prompt
     t_draft(d, k) the drafter's draft time per step with its policy cut at depth d and top-k k (short decodes)
     overhead      the engine's own time per step (wall - prefill - draft - verify) / steps; prefill per prompt
   acceptance (one traced decode of the calibration prompts with the base tree, Engine(trace=True)):
@@ -17,7 +18,8 @@ on this device:
     frontier, the best n of all; a static list's first n paths of depth <= d), and its accepted length is the longest
     prefix of the recorded path inside it. Exact where the smaller tree lies inside the recorded one (greedy); where
     the base's rerank dropped nodes the smaller tree would hold, a lower bound (tests/test_costmodel.py).
-  prediction for T new tokens:  tokens/s = T / (prefill + (T - 1) / tau(d,k,n) * (t_draft(d,k) + t_verify(n+1) + overhead))
+  prediction for T new tokens of the run:
+    tokens/s = T / (prefill + (T - 1) / tau(d,k,n) * (t_draft(d,k) + t_verify(n+1) + overhead))
     and the baseline's T / (prefill + (T - 1) * (t_verify(1) + overhead_ar)).
 Calibration questions come from a set that no experiment scores (`tree.calibration.dataset`, default alpaca).
 """
@@ -91,7 +93,9 @@ def predicted_tau(trace: list[StepTrace], depth: int, nodes: int, topk: int | No
 # ---- the cost model --------------------------------------------------------------------------------------------------
 @dataclass
 class TargetCost:
-    context: int  # tokens in the cache when verifying
+    prompt: int  # the run's mean prompt length
+    prefill_s: float  # median seconds of a prefill of that length
+    context: int  # tokens in the cache when verifying: the prompt + half the run's new tokens
     sizes: list[int]  # Q: tokens per verification forward (root included)
     seconds: list[float]  # median seconds per forward at each Q
 
@@ -125,8 +129,10 @@ def predict(target: TargetCost, drafter: DrafterCost, depth: int, topk: int, nod
     tau = predicted_tau(trace, depth, nodes, topk or None)
     draft = {(int(d), int(k)): t for d, k, t in drafter.draft}[(depth, topk)]
     t_step = draft + target.verify(nodes + 1) + drafter.overhead_s
-    tps = new_tokens / (drafter.prefill_s + (new_tokens - 1) / tau * t_step)
-    ar = new_tokens / (drafter.ar_prefill_s + (new_tokens - 1) * (target.verify(1) + drafter.ar_overhead_s))
+    # the run's prompt: the target's prefill at its length, plus what the drafter adds to a prefill (calibration)
+    prefill = target.prefill_s + max(0.0, drafter.prefill_s - drafter.ar_prefill_s)
+    tps = new_tokens / (prefill + (new_tokens - 1) / tau * t_step)
+    ar = new_tokens / (target.prefill_s + (new_tokens - 1) * (target.verify(1) + drafter.ar_overhead_s))
     return Choice(depth, topk, nodes, tau, tps, tps / ar)
 
 
@@ -168,10 +174,17 @@ def base_nodes(base: dict) -> int:
 
 # ---- measuring -------------------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def time_verify(target, context: int, sizes: list[int], repeats: int = 5) -> TargetCost:
+def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: int = 5) -> TargetCost:
     dev = target.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (1, context), generator=g).to(dev)
+    prefills = []
+    for _ in range(3):  # the prefill of a run's prompt
+        sync(dev)
+        t0 = time.perf_counter()
+        target.prefill(ids[:, :prompt], target.new_cache())
+        sync(dev)
+        prefills.append(time.perf_counter() - t0)
     cache = target.new_cache()
     target.prefill(ids, cache)
     seconds = []
@@ -188,7 +201,7 @@ def time_verify(target, context: int, sizes: list[int], repeats: int = 5) -> Tar
             times.append(time.perf_counter() - t0)
             cache.crop(context - cache.get_seq_length())  # transformers 5: a negative count
         seconds.append(statistics.median(times[1:]))  # the first is the warm-up
-    return TargetCost(context, sizes, seconds)
+    return TargetCost(prompt, statistics.median(prefills), context, sizes, seconds)
 
 
 def _per_step(gens: list[Generation]) -> tuple[float, float, float, float]:
@@ -252,14 +265,19 @@ class AutoConfig:
 
 
 def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter], drafter_key: dict,
-                prompts: list[list[int]], run_tokens: int, cache_root: str, model: str) -> tuple[dict, dict]:
-    """The tuned tree (a conf/tree dict) and the record that explains it (written into run.json)."""
+                prompts: list[list[int]], run_prompts: list[list[int]], run_tokens: int, cache_root: str,
+                model: str) -> tuple[dict, dict]:
+    """The tuned tree (a conf/tree dict) and the record that explains it (written into run.json). `prompts`: the
+    calibration questions (acceptance, draft cost); `run_prompts`: the run's own, whose length sets the target's
+    prefill and verification costs (a long-prompt set makes every verification dearer)."""
     base = auto.base
-    context = int(statistics.fmean(len(p) for p in prompts)) + run_tokens // 2
+    prompt = int(statistics.fmean(len(p) for p in run_prompts))
+    context = prompt + run_tokens // 2
     sizes = sorted({q for q in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96) if q <= base_nodes(base) + 1}
                    | {base_nodes(base) + 1})
-    tpath = cache_path(cache_root, target.device, model, target.dtype, "target", {"context": context, "sizes": sizes})
-    tcost, tpath = cached(tpath, lambda: time_verify(target, context, sizes), TargetCost)
+    tpath = cache_path(cache_root, target.device, model, target.dtype, "target",
+                       {"prompt": prompt, "context": context, "sizes": sizes})
+    tcost, tpath = cached(tpath, lambda: time_verify(target, prompt, context, sizes), TargetCost)
     key = {**drafter_key, "base": base, "calibration": asdict(auto) | {"prompts": prompts}}
     dpath = cache_path(cache_root, target.device, model, target.dtype, drafter_key.get("name", "drafter"), key)
     dcost, dpath = cached(dpath, lambda: calibrate_drafter(target, make_drafter, base, prompts, auto.new_tokens,

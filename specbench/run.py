@@ -128,9 +128,11 @@ class Runner:
         key = {k: v for k, v in spec.items() if k != "tree"}
         if spec.get("checkpoint"):
             key["checkpoint_sha256"] = weights_digest(spec["checkpoint"])
-        return costmodel.choose_tree(self.target, auto, lambda t: self._instantiate({**spec, "tree": t}, self.cfg.drafter.name),
-                                     {"name": self.cfg.drafter.name, **key}, prompts, self.decoding.max_new_tokens,
-                                     self.model_cfg.cache_dir, self.model_cfg.name)
+        run_prompts = [self.prompt_ids(q, 0, []) for q in self.questions]
+        return costmodel.choose_tree(self.target, auto,
+                                     lambda t: self._instantiate({**spec, "tree": t}, self.cfg.drafter.name),
+                                     {"name": self.cfg.drafter.name, **key}, prompts, run_prompts,
+                                     self.decoding.max_new_tokens, self.model_cfg.cache_dir, self.model_cfg.name)
 
     def _instantiate(self, spec: dict, name: str | None) -> Drafter:
         try:

@@ -83,7 +83,7 @@ def test_acceptance_of_a_smaller_tree_is_the_recorded_path_inside_it():
 
 def costs(verify_per_token: float) -> tuple[TargetCost, DrafterCost]:
     """A chain drafter that always has 4 accepted: deeper is always better unless verifying is expensive."""
-    target = TargetCost(context=100, sizes=[1, 5], seconds=[0.01, 0.01 + 4 * verify_per_token])
+    target = TargetCost(prompt=80, prefill_s=0.0, context=100, sizes=[1, 5], seconds=[0.01, 0.01 + 4 * verify_per_token])
     trace = [{"parents": [-1, 0, 1, 2], "priority": None, "path": [0, 1, 2, 3]}] * 5
     drafter = DrafterCost(base={"kind": "dynamic", "depth": 4, "topk": 1, "total_tokens": 4},
                           draft=[[d, 1, 0.001] for d in range(1, 5)], overhead_s=0.0, prefill_s=0.0,
