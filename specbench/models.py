@@ -98,6 +98,11 @@ def resolve_checkpoint(cfg: ModelConfig) -> str:
     return cfg.hf_id
 
 
+def _fetch_hint(cfg: ModelConfig) -> str:
+    return (f"on a machine with hub access run `huggingface-cli download {cfg.hf_id}` (gated models need "
+            f"`huggingface-cli login` and an accepted licence), or point model.path=<local checkpoint dir>")
+
+
 def unavailable(cfg: ModelConfig) -> str | None:
     """Why the target cannot load, in one line with the command that fixes it, found without loading any weights
     (a sweep's pre-flight); None when it can."""
@@ -114,9 +119,7 @@ def unavailable(cfg: ModelConfig) -> str | None:
     try:
         AutoConfig.from_pretrained(cfg.hf_id, revision=cfg.revision)
     except (OSError, ValueError) as e:
-        return (f"model {cfg.name!r} ({cfg.hf_id}) cannot be found: {str(e).splitlines()[0]} -- download it with "
-                f"`huggingface-cli download {cfg.hf_id}` (gated models: `huggingface-cli login` first), or point "
-                f"model.path=<local checkpoint dir>")
+        return f"model {cfg.name!r} ({cfg.hf_id}) cannot be found: {str(e).splitlines()[0]} -- {_fetch_hint(cfg)}"
     return None
 
 
@@ -132,9 +135,7 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
         )
     except OSError as e:
         raise SpecbenchError(
-            f"model {cfg.name!r} ({ckpt}) could not be loaded: {str(e).splitlines()[0]} -- on a machine with hub "
-            f"access run `huggingface-cli download {cfg.hf_id}` (gated models need `huggingface-cli login` and an "
-            f"accepted licence), or point model.path=<local checkpoint dir>"
+            f"model {cfg.name!r} ({ckpt}) could not be loaded: {str(e).splitlines()[0]} -- {_fetch_hint(cfg)}"
         ) from None
     if cfg.chat_template:
         tokenizer.chat_template = cfg.chat_template

@@ -127,8 +127,19 @@ class Setting:
         return f"model {self.model} ({self.dtype}), {self.max_new_tokens} new tokens per turn, {sets}"
 
 
-def load_runs(exp_dir: Path) -> dict[Setting, dict[tuple[str, str, float], dict]]:
-    """Per setting, (drafter, dataset, temperature) -> summary + header, from every finished run of the experiment.
+def cell_key(summary: dict, head: dict) -> tuple:
+    """A paper table's cell: (drafter, dataset, temperature)."""
+    return summary["drafter"], summary["dataset"], float(summary["temperature"])
+
+
+def tree_key(summary: dict, head: dict) -> tuple:
+    """The tree_auto table's cell: (drafter, dataset, none | paper | auto)."""
+    variant = "none" if summary["drafter"] == "none" else "auto" if head.get("tree_auto") else "paper"
+    return summary["drafter"], summary["dataset"], variant
+
+
+def load_runs(exp_dir: Path, key_of=cell_key) -> dict[Setting, dict[tuple, dict]]:
+    """Per setting, key_of(summary, header) -> summary + header, from every finished run of the experiment.
     Where several runs fill one cell (the drafter's weights or options changed since: a new config hash), the newest
     run does."""
     settings: dict[Setting, dict] = {}
@@ -136,7 +147,7 @@ def load_runs(exp_dir: Path) -> dict[Setting, dict[tuple[str, str, float], dict]
         s = json.loads(run.read_text())
         head = json.loads((run.parent / "run.json").read_text())
         runs = settings.setdefault(Setting.of(head), {})
-        key = (s["drafter"], s["dataset"], float(s["temperature"]))
+        key = key_of(s, head)
         if key not in runs or (head["date"], run.parent.name) > (runs[key]["_head"]["date"], runs[key]["run"]):
             runs[key] = {**s, "_head": head}
     return settings
@@ -335,16 +346,7 @@ def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Pa
     """Each drafter with its paper's tree and with the tree sized for the device (tree=auto), the predicted speedup
     (specbench/costmodel.py, from run.json's `tree_auto`) next to the measured one, per model setting; with `figure`,
     predicted tokens/s against tree size with the measured points (conf/experiment/tree_auto.yaml)."""
-    by_setting: dict[Setting, dict[tuple[str, str, str], dict]] = {}
-    for run in sorted(exp_dir.glob("*/summary.json")):
-        s = json.loads(run.read_text())
-        head = json.loads((run.parent / "run.json").read_text())
-        tree = head["config"]["drafter"].get("tree")
-        variant = "none" if s["drafter"] == "none" else "auto" if head.get("tree_auto") else "paper"
-        key = (s["drafter"], s["dataset"], variant)
-        cells = by_setting.setdefault(Setting.of(head), {})
-        if key not in cells or head["date"] > cells[key]["_head"]["date"]:
-            cells[key] = {**s, "_head": head, "_tree": tree}
+    by_setting = load_runs(exp_dir, tree_key)
     written = []
     for setting, cells in sorted(by_setting.items()):
         stem = file_stem(setting, by_setting)
@@ -400,7 +402,8 @@ def figure_tree_size(cells: dict, path: Path) -> None:
         ax.scatter([a["_head"]["tree_auto"]["chosen"]["total_tokens"]], [value(a, "speed")], color=color, marker="o")
         p = cells.get((d, "mtbench", "paper"))
         if p:
-            ax.scatter([p["_tree"]["total_tokens"]], [value(p, "speed")], color=color, marker="x")
+            ax.scatter([p["_head"]["config"]["drafter"]["tree"]["total_tokens"]], [value(p, "speed")], color=color,
+                       marker="x")
     base = cells.get(("none", "mtbench", "none"))
     if base:
         ax.axhline(value(base, "speed"), color="grey", lw=0.8, label="baseline (measured)")

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from drafters.trees import DynamicTree, Level, StaticTree
-from specbench import costmodel
 from specbench.costmodel import DrafterCost, StepTrace, TargetCost, best_tree, kept_nodes, predicted_tau
 from specbench.report import report
 from specbench.run import Runner
