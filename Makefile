@@ -16,7 +16,7 @@ TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/to
 # the trainable drafters, from their own YAMLs (specbench/trainable.py); expanded when `make train` runs, after setup
 TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
-.PHONY: setup test test-fast bench perf perf-drafters peer train trainmem figures download
+.PHONY: setup test test-fast bench perf perf-drafters peer train trainmem trainspeed figures download
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -73,6 +73,10 @@ perf-drafters: setup
 # Peak training memory and step time vs simulated steps: Beagle's late stage vs HASS (results/trainmem/).
 trainmem: setup
 	$(BIN)/python -m specbench.trainmem model=$(MODEL) $(ARGS)
+
+# Every trainable method's training tokens/s in fp32 and under bf16 autocast (results/trainspeed/).
+trainspeed: setup
+	$(BIN)/python -m specbench.trainmem --config-name trainspeed model=$(MODEL) $(ARGS)
 
 # Train every drafter with the same budget (conf/train/$(TRAIN).yaml) and copy the final weights, with their
 # validation log, to weights/$(MODEL)/<drafter>/ (what the drafter configs load). Resumes from checkpoints/;

@@ -105,10 +105,12 @@ class TrainConfig:
 
 @dataclass
 class TrainMemConfig:
-    """specbench/trainmem.py: which methods and how many simulated steps."""
+    """specbench/trainmem.py: which methods, how many simulated steps (None: each method once, at its own options)
+    and under which train.precision values."""
 
     methods: list[str] = field(default_factory=lambda: ["beagle", "hass"])
-    steps: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    steps: Optional[list[int]] = field(default_factory=lambda: [1, 2, 3, 4])
+    precisions: list[str] = field(default_factory=lambda: ["fp32"])
 
 
 @dataclass

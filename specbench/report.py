@@ -342,6 +342,29 @@ def trainmem(root: Path) -> None:
         save(fig, f.parent / "trainmem.png")
 
 
+def trainspeed(root: Path) -> None:
+    """results/trainspeed/*: training tokens/s per method in fp32 and under bf16 autocast (make trainspeed)."""
+    for f in sorted(root.glob("*/trainmem.json")):
+        data = json.loads(f.read_text())
+        by = {(r["method"], r["precision"]): r for r in data["rows"]}
+        dev = data["env"].get("gpu") or data["env"].get("cpu")
+        md = [f"**Training tokens/s, fp32 vs bf16 autocast (one batch of {data['rows'][0]['tokens']} tokens, mean ± std "
+              f"over {data['config']['bench']['repeats']} steps after {data['config']['bench']['warmup']} warm-up). "
+              f"device: {dev}; commit {(data['git'].get('commit') or '?')[:7]}.**", "",
+              "| method | fp32 tokens/s | bf16 tokens/s | bf16 / fp32 | fp32 peak MiB | bf16 peak MiB |",
+              "|---|---|---|---|---|---|"]
+
+        def cell(r: dict) -> str:  # tokens/s from the step time; its std by the first-order propagation
+            return f"{r['tokens_per_s']:.0f} ± {r['tokens_per_s'] * r['step_s_std'] / r['step_s']:.0f}"
+
+        for method in dict.fromkeys(r["method"] for r in data["rows"]):
+            a, b = by.get((method, "fp32")), by.get((method, "bf16"))
+            if a and b:
+                md.append(f"| {method} | {cell(a)} | {cell(b)} | {b['tokens_per_s'] / a['tokens_per_s']:.2f}x | "
+                          f"{a['peak_bytes'] / 2**20:.0f} | {b['peak_bytes'] / 2**20:.0f} |")
+        (f.parent / "trainspeed.md").write_text("\n".join(md) + "\n")
+
+
 def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Path]:
     """Each drafter with its paper's tree and with the tree sized for the device (tree=auto), the predicted speedup
     (specbench/costmodel.py, from run.json's `tree_auto`) next to the measured one, per model setting; with `figure`,
@@ -451,6 +474,7 @@ def report(results: Path) -> list[Path]:
             written += tree_auto_report(exp_dir, table, "tree_size" in figures)
     training_curves(results / "training", results / "training")
     trainmem(results / "trainmem")
+    trainspeed(results / "trainspeed")
     return written
 
 

@@ -198,6 +198,13 @@ def shard(order: list[int], rank: int, world: int) -> list[int]:
     return [order[i % len(order)] for i in range(need)][rank::world]
 
 
+def autocast(tc: TrainConfig, device: torch.device):
+    """The forward's precision context: bf16 autocast with train.precision=bf16, otherwise fp32 (TF32 on CUDA)."""
+    if tc.precision not in ("fp32", "bf16"):
+        raise SpecbenchError(f"train.precision={tc.precision!r} is not one of fp32, bf16")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -334,14 +341,13 @@ class Trainer:
     def _step(self, model, params, opt, batch, epoch: int, step: int) -> tuple[float, dict, torch.Tensor]:
         """One optimiser step -> (loss, its named parts, the gradient norm before clipping)."""
         tc = self.tc
-        autocast = torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
         opt.zero_grad(set_to_none=True)
         loss, parts = 0.0, {}
         # one or more independent graphs (Beagle's simulated steps), each backpropagated as soon as it is built, so
         # that peak memory is one graph's; gradients accumulate
         pieces = self.cls.training_steps(model, batch, self.target, epoch)
         while True:
-            with autocast:
+            with autocast(tc, self.target.device):
                 piece = next(pieces, None)
             if piece is None:
                 break

@@ -11,6 +11,9 @@ Recorded per point:
   graph_bytes      bytes autograd saved for backward in the largest graph that was alive at once (exact,
                    device-independent: saved_tensors_hooks);
   step_s           seconds per optimiser step (synchronised), mean and std over the timed steps.
+With `trainmem.steps: null` each method is measured once at its configured options (any trainable method, not only
+the simulated-steps ones), and `trainmem.precisions` repeats every point under each `train.precision` (fp32, bf16
+autocast): `make trainspeed` measures every method's training tokens/s both ways (tokens / step_s).
 Writes results/<out.experiment>/<model>__trainmem__<hash>/trainmem.json with the run header.
 """
 from __future__ import annotations
@@ -39,27 +42,28 @@ from specbench.target import TargetModel
 STEP_OPTION = {"hass": "steps", "coral": "steps", "beagle": "sim_steps"}  # the module option that sets s
 
 
-def fixed_batch(train_set, tc: TrainConfig, device):
+def fixed_batch(train_set, tc: TrainConfig, device, kv: bool = False):
     from specbench.train import collate
 
     full = [key for key in train_set.index() if len(train_set.load(*key)["input_ids"]) >= tc.max_len]
     if len(full) < tc.batch_size:
         raise SpecbenchError(f"fewer than {tc.batch_size} training conversations reach train.max_len={tc.max_len}")
-    return collate([train_set.load(*key) for key in full[: tc.batch_size]], device)
+    return collate([train_set.load(*key, kv=kv) for key in full[: tc.batch_size]], device)
 
 
 def measure(job: dict) -> dict:
     """One (method, s) point, in its own process."""
-    from specbench.train import add_noise, prepare_features
+    from specbench.drafter import KV
+    from specbench.train import add_noise, autocast, prepare_features
 
     torch.manual_seed(0)
     model_cfg, tc = to_dataclass(ModelConfig, job["model"]), to_dataclass(TrainConfig, job["train"])
     model, tok, device = load_model(model_cfg)
     target = TargetModel(model, tok, device, model_cfg.name)
-    train_set, _ = prepare_features(target, tc, model_cfg, kv=False, rank=0)
-    batch = fixed_batch(train_set, tc, device)
-    add_noise(batch, tc.noise, tc.noise_scale, torch.Generator().manual_seed(0))
     cls = get_class(job["target_cls"])
+    train_set, _ = prepare_features(target, tc, model_cfg, kv=KV in cls.needs, rank=0)
+    batch = fixed_batch(train_set, tc, device, kv=KV in cls.needs)
+    add_noise(batch, tc.noise, tc.noise_scale, torch.Generator().manual_seed(0))
     module = cls.build_module(target, **job["module"]).to(device).train()
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
@@ -75,8 +79,13 @@ def measure(job: dict) -> dict:
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        for loss, _ in cls.training_steps(module, batch, target, epoch):
-            loss.backward()
+        pieces = cls.training_steps(module, batch, target, epoch)
+        while True:
+            with autocast(tc, device):  # the trainer's precision: the forward under autocast, backward outside
+                piece = next(pieces, None)
+            if piece is None:
+                break
+            piece[0].backward()
             graph["now"] = 0  # that graph is freed; the next piece starts from nothing
         opt.step()
 
@@ -95,34 +104,40 @@ def measure(job: dict) -> dict:
         step()
         sync(device)
         times.append(time.perf_counter() - t0)
-    return {"method": job["method"], "steps": job["s"], "peak_bytes": mem.read()["peak_mem_bytes"], "base_bytes": base,
+    return {"method": job["method"], "steps": job["s"], "precision": tc.precision, "peak_bytes": mem.read()["peak_mem_bytes"], "base_bytes": base,
             "graph_bytes": graph["max"], "step_s": statistics.fmean(times),
-            "step_s_std": statistics.pstdev(times), "tokens": batch.tokens, "device": str(device)}
+            "step_s_std": statistics.pstdev(times), "tokens": batch.tokens,
+            "tokens_per_s": batch.tokens / statistics.fmean(times), "device": str(device)}
 
 
 def jobs(cfg: DictConfig) -> list[dict]:
     out = []
     for method in cfg.trainmem.methods:
         node = compose(config_name="config", overrides=[f"drafter={method}"]).drafter  # model: the parent's
-        if method not in STEP_OPTION:
+        if cfg.trainmem.steps is not None and method not in STEP_OPTION:
             raise SpecbenchError(f"trainmem.methods: {method!r} has no simulated-steps option ({', '.join(STEP_OPTION)})")
-        module = OmegaConf.to_container(node.get("module") or {}, resolve=True)
-        optim = OmegaConf.to_container(node.get("optim") or {}, resolve=True)
+        module, optim = (OmegaConf.to_container(node[k], resolve=True) if node.get(k) is not None else {}
+                         for k in ("module", "optim"))
         train = {**OmegaConf.to_container(cfg.train, resolve=True), **optim}
         late = int(module.get("late_from_epoch", 0))  # Beagle: measure its late stage (the simulated one)
-        for s in cfg.trainmem.steps:
-            out.append({"method": method, "s": int(s), "target_cls": node._target_,
-                        "module": {**module, STEP_OPTION[method]: int(s)}, "epoch": late,
-                        "model": OmegaConf.to_container(cfg.model, resolve=True), "train": train,
-                        "warmup": cfg.bench.warmup, "repeats": cfg.bench.repeats})
+        points = [(None, module)] if cfg.trainmem.steps is None else \
+            [(int(s), {**module, STEP_OPTION[method]: int(s)}) for s in cfg.trainmem.steps]
+        for precision in cfg.trainmem.precisions:
+            for s, options in points:
+                out.append({"method": method, "s": s, "target_cls": node._target_, "module": options, "epoch": late,
+                            "model": OmegaConf.to_container(cfg.model, resolve=True),
+                            "train": {**train, "precision": precision},
+                            "warmup": cfg.bench.warmup, "repeats": cfg.bench.repeats})
     return out
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'method':8} {'s':>2} {'peak MiB':>9} {'over base':>10} {'graph MiB':>10} {'step s':>8}")
+    print(f"{'method':12} {'s':>4} {'prec':>4} {'peak MiB':>9} {'over base':>10} {'graph MiB':>10} {'step s':>8} "
+          f"{'tokens/s':>9}")
     for r in rows:
-        print(f"{r['method']:8} {r['steps']:>2} {r['peak_bytes'] / 2**20:9.0f} "
-              f"{(r['peak_bytes'] - r['base_bytes']) / 2**20:10.0f} {r['graph_bytes'] / 2**20:10.1f} {r['step_s']:8.2f}")
+        print(f"{r['method']:12} {str(r['steps']):>4} {r['precision']:>4} {r['peak_bytes'] / 2**20:9.0f} "
+              f"{(r['peak_bytes'] - r['base_bytes']) / 2**20:10.0f} {r['graph_bytes'] / 2**20:10.1f} "
+              f"{r['step_s']:8.2f} {r['tokens_per_s']:9.0f}")
 
 
 register_schema()
@@ -137,8 +152,8 @@ def _main(cfg: DictConfig) -> None:
         for job in todo:
             with ctx.Pool(1) as pool:  # a fresh process per point: its peak memory is its own
                 rows.append(pool.apply(measure, (job,)))
-            print(f"{job['method']} s={job['s']}: peak {rows[-1]['peak_bytes'] / 2**20:.0f} MiB, "
-                  f"{rows[-1]['step_s']:.2f} s/step", flush=True)
+            print(f"{job['method']} s={job['s']} {job['train']['precision']}: peak "
+                  f"{rows[-1]['peak_bytes'] / 2**20:.0f} MiB, {rows[-1]['step_s']:.2f} s/step", flush=True)
     except SpecbenchError as e:
         fail(e)
     print_table(rows)

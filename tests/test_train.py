@@ -279,6 +279,26 @@ def test_trainmem_graph_memory_is_flat_for_beagle_and_grows_for_hass(tmp_path, s
     assert all(r["step_s"] > 0 and r["peak_bytes"] > 0 for r in rows.values())
 
 
+def test_trainspeed_measures_each_method_in_fp32_and_under_bf16_autocast(tmp_path, sharegpt_file, tiny_checkpoint):
+    """`make trainspeed`: one point per method and precision; under bf16 autocast the tensors autograd saves are bf16,
+    so the graph is smaller (autocast is really on, in the trainer's own context), and MoA gets its K/V features."""
+    from hydra import compose, initialize_config_dir
+
+    from specbench import trainmem
+
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.max_len": 40})
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="trainspeed", overrides=[f"model.path={tiny_checkpoint}", "model.name=tiny",
+                                                           "trainmem.methods=[eagle,moa]", "bench.warmup=1",
+                                                           "bench.repeats=1", *over])
+        todo = trainmem.jobs(cfg)
+    rows = {(r["method"], r["precision"]): r for r in map(trainmem.measure, todo)}
+    assert sorted(rows) == [("eagle", "bf16"), ("eagle", "fp32"), ("moa", "bf16"), ("moa", "fp32")]
+    for method in ("eagle", "moa"):
+        assert rows[method, "bf16"]["graph_bytes"] < 0.8 * rows[method, "fp32"]["graph_bytes"]
+        assert rows[method, "fp32"]["tokens_per_s"] == rows[method, "fp32"]["tokens"] / rows[method, "fp32"]["step_s"]
+
+
 def test_self_distilled_answers_are_the_targets_greedy_answers_and_resume(tiny_target, tmp_path, sharegpt_file,
                                                                           monkeypatch):
     train, _ = load_conversations(sharegpt_file, 4, 0)  # questions of 20 and 21 bytes: a padded batch
