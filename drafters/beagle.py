@@ -30,6 +30,7 @@ so peak memory does not grow with s; `late_from_epoch` switches stages (paper: e
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +78,18 @@ def simulated_steps(module, emb: torch.Tensor, states: torch.Tensor, real: torch
         pred = torch.where((rel == i)[None, :, None], out.detach(), pred)
 
 
+@dataclass
+class BeagleOptions:
+    window: int = 5  # k, the early stage's block-attention window (App. A.3)
+    sim_steps: int = 4  # s, the late stage's simulated steps (App. A.3: limited to 4)
+    late_from_epoch: int = 1  # the epoch the late stage starts
+    vloss_weight: float = 10.0  # the feature-regression coefficient (App. A.3)
+
+
 class BeagleDrafter(TrainableDrafter):
     name = "beagle"
     needs = frozenset({HIDDEN})
+    Options = BeagleOptions
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None,
                  concat: bool = True):
@@ -93,33 +103,29 @@ class BeagleDrafter(TrainableDrafter):
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
-    def build_module(cls, target, window: int = 5, sim_steps: int = 4, late_from_epoch: int = 1,
-                     vloss_weight: float = 10.0) -> CrossAttentionBlock:
-        block = CrossAttentionBlock(target).to(target.device)
-        block.window, block.sim_steps, block.late_from_epoch, block.vloss_weight = (window, sim_steps,
-                                                                                   late_from_epoch, vloss_weight)
-        return block
+    def build_module(cls, target, opts: BeagleOptions) -> CrossAttentionBlock:
+        del opts  # the block's shape is the target's; the options are the training's
+        return CrossAttentionBlock(target).to(target.device)
 
     @staticmethod
-    def _step_loss(block, out, batch, target, rows: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    def _step_loss(opts: BeagleOptions, out, batch, target, rows: torch.Tensor) -> tuple[torch.Tensor, float, float]:
         """CE to the target's next-token law + vloss at the query positions `rows` [B, T] bool."""
         pred, true = out[rows], batch.hidden[rows]  # [M, H]: h^_n vs h_n (q_n predicts t_{n+1})
         p = teacher_probs(target, true)
         logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
         vloss = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
-        return soft_ce(p, logq) + block.vloss_weight * vloss, vloss.item(), top1(logq, p)
+        return soft_ce(p, logq) + opts.vloss_weight * vloss, vloss.item(), top1(logq, p)
 
     @classmethod
-    def training_loss(cls, module, batch, target):
+    def training_loss(cls, module, batch, target, opts: BeagleOptions):
         """Early stage (Eq. 4), and the single-graph loss used by validation-free callers."""
-        return next(cls.training_steps(module, batch, target, epoch=0))
+        return next(cls.training_steps(module, batch, target, opts, epoch=0))
 
     @classmethod
-    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple[torch.Tensor, dict]]:
-        block = getattr(module, "module", module)
+    def training_steps(cls, module, batch, target, opts: BeagleOptions, epoch: int) -> Iterator[tuple[torch.Tensor, dict]]:
         t, dev = batch.input_ids.shape[1], batch.input_ids.device
-        offset = int(torch.randint(0, block.window, (1,)).item())  # eps ~ U[0, k) (torch's seeded stream)
-        start = window_starts(t, block.window, offset, dev)  # n(q), [T]
+        offset = int(torch.randint(0, opts.window, (1,)).item())  # eps ~ U[0, k) (torch's seeded stream)
+        start = window_starts(t, opts.window, offset, dev)  # n(q), [T]
         rel = torch.arange(t, device=dev) - start  # the query's place in its window, 1..k
         # a query trains if it predicts an assistant token (loss_mask of t_{q+1}) and sees at least one state
         trainable = torch.zeros_like(batch.attn_mask, dtype=torch.bool)
@@ -127,17 +133,17 @@ class BeagleDrafter(TrainableDrafter):
         trainable &= (start >= 0)[None]
         emb = target.decoder.embed_tokens(batch.input_ids)
         real = batch.attn_mask.bool()
-        if epoch < block.late_from_epoch:  # early stage: one pass, every query, states up to its window start
+        if epoch < opts.late_from_epoch:  # early stage: one pass, every query, states up to its window start
             out = next(simulated_steps(module, emb, batch.hidden_in, real, start, 1))
-            loss, vloss, agree = cls._step_loss(block, out, batch, target, trainable)
-            yield block.window * loss, {"stage": 0, "vloss": vloss, "top1": agree}
+            loss, vloss, agree = cls._step_loss(opts, out, batch, target, trainable)
+            yield opts.window * loss, {"stage": 0, "vloss": vloss, "top1": agree}
             return
-        rows = [trainable & (rel == i)[None] for i in range(1, block.sim_steps + 1)]
+        rows = [trainable & (rel == i)[None] for i in range(1, opts.sim_steps + 1)]
         trained = [bool(r.any()) for r in rows]
-        for i, out in enumerate(simulated_steps(module, emb, batch.hidden_in, real, start, block.sim_steps, trained), 1):
+        for i, out in enumerate(simulated_steps(module, emb, batch.hidden_in, real, start, opts.sim_steps, trained), 1):
             if trained[i - 1]:
-                loss, vloss, agree = cls._step_loss(block, out, batch, target, rows[i - 1])
-                yield (block.window - i + 1) * loss, {"stage": 1, f"vloss{i}": vloss, f"top1_{i}": agree}
+                loss, vloss, agree = cls._step_loss(opts, out, batch, target, rows[i - 1])
+                yield (opts.window - i + 1) * loss, {"stage": 1, f"vloss{i}": vloss, f"top1_{i}": agree}
 
     @classmethod
     @torch.no_grad()

@@ -26,12 +26,14 @@ Drafting stays lossless: the router only changes which tokens are proposed; veri
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafters.distill import teacher_probs
+from drafters.eagle import EagleOptions
 from drafters.hass import HassDrafter, harmonized_inputs, harmonized_steps, next_step_input
 
 
@@ -48,30 +50,39 @@ def csra_loss(anchors: torch.Tensor, views: list[torch.Tensor], temperature: flo
     return (sim.logsumexp(-1) - sim.masked_fill(~positive, float("-inf")).logsumexp(-1)).mean()
 
 
+@dataclass
+class CoralOptions(EagleOptions):  # Eq. 3 has no Top-K term: none of HASS's Top-K options
+    steps: int = 3  # the aligned steps n, as HASS's
+    csra_weight: float = 0.06  # w_csra (App. A: set so that w_csra L_CSRA ~ w_reg L_reg; scripts/csra_weight.py)
+    temperature: float = 0.07  # tau (App. A)
+
+
 class CoralDrafter(HassDrafter):
     name = "coral"
+    Options = CoralOptions
     w_reg = 0.5  # App. A: half of EAGLE's regression weight
 
     @classmethod
-    def build_module(cls, target, steps: int = 3, csra_weight: float = 0.06, temperature: float = 0.07,
-                     **eagle_options):
-        head = super().build_module(target, steps=steps, topk_weight=0.0, **eagle_options)  # Eq. 3: no Top-K term
-        head.csra_weight, head.temperature = csra_weight, temperature
-        return head
-
-    @classmethod
-    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
+    def training_steps(cls, module, batch, target, opts: CoralOptions,
+                       epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
         del epoch  # one objective throughout
-        head = getattr(module, "module", module)
         emb, mask_tok, true, p = cls.step_targets(batch, target)
         earlier: list[torch.Tensor] = []  # F^1 .. F^{j-1} at the loss positions, detached
-        steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], head.steps)
+        steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps)
         for j, pred_all in enumerate(steps, 1):
             pred = pred_all[:, :-1][mask_tok]  # [M, H]
-            loss, parts = cls.step_loss(head, pred, true, p, target, topk_weight=0.0)
-            csra = csra_loss(pred, [*earlier, true], head.temperature)
+            loss, parts = cls.step_loss(pred, true, p, target, topk=0, topk_weight=0.0)
+            csra = csra_loss(pred, [*earlier, true], opts.temperature)
             earlier.append(pred.detach())
-            yield loss + head.csra_weight * csra, {f"reg{j}": parts["reg"], f"csra{j}": csra.item()}
+            yield loss + opts.csra_weight * csra, {f"reg{j}": parts["reg"], f"csra{j}": csra.item()}
+
+    @classmethod
+    def training_loss(cls, module, batch, target, opts: CoralOptions):
+        """The summed step losses as one number (for tests and tools; training backpropagates step by step)."""
+        loss, parts = 0.0, {}
+        for piece, part in cls.training_steps(module, batch, target, opts, epoch=0):
+            loss, parts = loss + piece, {**parts, **part}
+        return loss, parts
 
 
 class LMHeadRouter(nn.Module):
@@ -119,22 +130,35 @@ class LMHeadRouter(nn.Module):
         return out.reshape(*shape[:-1], self.vocab)
 
 
+@dataclass
+class CoralRouterOptions:
+    base: str | None = None  # the trained stage-1 CORAL head (training only: the router checkpoint holds it too)
+    groups: int = 16  # N vocabulary groups (paper's best: 16)
+    active: int = 2  # top-k groups active while drafting (paper's best: 2)
+
+
 class CoralRouterDrafter(CoralDrafter):
     """`coral_router`: the frozen CORAL head (stage 1, `base`) plus a trained LM-head router (stage 2)."""
 
     name = "coral_router"
+    Options = CoralRouterOptions
+
+    @staticmethod
+    def head_options(opts: CoralRouterOptions) -> CoralOptions:
+        """The stage-1 head's options: those `base` was trained with (its record), or CORAL's defaults."""
+        from specbench.checkpoints import read_meta
+
+        return CoralDrafter.options(read_meta(opts.base).get("module", {}) if opts.base else {})
 
     @classmethod
-    def build_module(cls, target, base: str | None = None, groups: int = 16, active: int = 2, **coral_options):
-        from specbench.checkpoints import load_checkpoint, read_meta
+    def build_module(cls, target, opts: CoralRouterOptions):
+        from specbench.checkpoints import load_checkpoint
 
-        if base:  # training: start from the trained stage-1 head, with the options it was trained with
-            coral_options = {**read_meta(base).get("module", {}), **coral_options}
-        head = CoralDrafter.build_module(target, **coral_options)
-        if base:
-            load_checkpoint(base, head, target, CoralDrafter.name)
+        head = CoralDrafter.build_module(target, cls.head_options(opts))
+        if opts.base:  # training: start from the trained stage-1 head
+            load_checkpoint(opts.base, head, target, CoralDrafter.name)
         head.requires_grad_(False)  # stage 2 trains the router only
-        head.router = LMHeadRouter(target.hidden_size, target.lm_head.weight.shape[0], groups, active)
+        head.router = LMHeadRouter(target.hidden_size, target.lm_head.weight.shape[0], opts.groups, opts.active)
         return head.to(target.device)
 
     @classmethod
@@ -147,30 +171,30 @@ class CoralRouterDrafter(CoralDrafter):
         return head.router.log_probs(lm_head.weight, f)
 
     @classmethod
-    def training_steps(cls, module, batch, target, epoch: int):
+    def training_steps(cls, module, batch, target, opts: CoralRouterOptions, epoch: int):
         del epoch  # stage 2 is one graph: the router's loss over the frozen head's n steps
-        yield cls.training_loss(module, batch, target)
+        yield cls.training_loss(module, batch, target, opts)
 
     @classmethod
-    def training_loss(cls, module, batch, target):
-        head = getattr(module, "module", module)
+    def training_loss(cls, module, batch, target, opts: CoralRouterOptions):
+        head, steps = module, cls.head_options(opts).steps  # the router sees the head's own n steps
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])
         feat0, pad = batch.hidden[:, :-1], batch.attn_mask[:, 1:]
         mask_tok = batch.loss_mask[:, 2:].bool()
         with torch.no_grad():  # the frozen head's own features for steps 1 .. n-1, as while drafting
             feats = [feat0]
-            if head.steps > 1:
-                feats += [next_step_input(feat0, p) for p in harmonized_steps(head, emb, feat0, pad, head.steps - 1)]
+            if steps > 1:
+                feats += [next_step_input(feat0, p) for p in harmonized_steps(head, emb, feat0, pad, steps - 1)]
             p = teacher_probs(target, batch.hidden[:, 1:-1][mask_tok])  # [M, V]
             mass = head.router.group_mass(p)  # [M, N]
         e, f, pos, mask = harmonized_inputs(emb, feats, pad)
         _, logits = module(e, f, position_ids=pos, attention_mask=mask, route=True)  # [B, n*T, N]
         n = emb.shape[1]
         loss, parts = 0.0, {}
-        for j in range(head.steps):
+        for j in range(steps):
             logr = logits[:, j * n : (j + 1) * n][:, :-1][mask_tok].float().log_softmax(-1)
             step = -(mass * logr).sum(-1).mean()
-            loss = loss + step / head.steps
+            loss = loss + step / steps
             hit = (logr.topk(head.router.active, -1).indices == mass.argmax(-1, keepdim=True)).any(-1)
             parts[f"router{j + 1}"], parts[f"hit{j + 1}"] = step.item(), hit.float().mean().item()
         return loss, parts

@@ -23,6 +23,7 @@ The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entr
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,7 +58,7 @@ class EagleHead(nn.Module):
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 route: bool = False):
         """emb, feat [B, Q, H] -> predicted next features [B, Q, H]; with route=True also the router's group logits
-        [B, Q, N] (inside forward so that DDP sees the router's parameters used)."""
+        [B, Q, N]."""
         x = self.fc(torch.cat([emb, feat], dim=-1))
         out = self.body(inputs_embeds=x, past_key_values=cache, position_ids=position_ids,
                         attention_mask=attention_mask, use_cache=cache is not None).last_hidden_state
@@ -135,10 +136,18 @@ def save_authors_head(head: "EagleHead", target, out: Path) -> Path:
     return out
 
 
+@dataclass
+class EagleOptions:
+    bias: bool = True  # fc's bias (the authors' default; a published config may say `bias: false`)
+    input_norm: bool = False  # the authors' layer 0 has none
+    rms_norm_eps: float | None = None  # None: the target's
+
+
 class EagleDrafter(TrainableDrafter):
     name = "eagle"
     needs = frozenset({HIDDEN})
-    w_cls = 0.1
+    Options = EagleOptions
+    w_cls = 0.1  # Sec. 4.2: L = L_reg + w_cls L_cls
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
         self.head = self.load_module(target, checkpoint, module)
@@ -162,12 +171,13 @@ class EagleDrafter(TrainableDrafter):
         return super().load_module(target, checkpoint, options)
 
     @classmethod
-    def build_module(cls, target, bias: bool = True, input_norm: bool = False,
-                     rms_norm_eps: float | None = None) -> EagleHead:
-        return EagleHead(target, bias=bias, input_norm=input_norm, rms_norm_eps=rms_norm_eps).to(target.device)
+    def build_module(cls, target, opts: EagleOptions) -> EagleHead:
+        return EagleHead(target, bias=opts.bias, input_norm=opts.input_norm,
+                         rms_norm_eps=opts.rms_norm_eps).to(target.device)
 
     @classmethod
-    def training_loss(cls, module, batch, target):
+    def training_loss(cls, module, batch, target, opts: EagleOptions):
+        del opts  # EAGLE's loss has no option
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1})
         pred = module(emb, batch.hidden_in[:, :-1], attention_mask=batch.attn_mask[:, 1:])  # f^_{i+1}, [B, T-1, H]
         mask = batch.loss_mask[:, 2:].bool()  # f^_{i+1} -> p^_{i+2} predicts t_{i+2}

@@ -22,12 +22,13 @@ The concatenated-steps forward also recomputes the earlier steps' outputs (unuse
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from drafters.distill import soft_ce, teacher_probs
-from drafters.eagle import EagleDrafter
+from drafters.eagle import EagleDrafter, EagleOptions
 
 
 def harmonized_mask(length: int, steps: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -77,16 +78,18 @@ def harmonized_steps(module, emb: torch.Tensor, feat0: torch.Tensor, pad: torch.
         yield pred
 
 
+@dataclass
+class HassOptions(EagleOptions):
+    steps: int = 3  # harmonized context alignment steps n
+    topk: int = 10  # K of the Top-K distillation (papers/001: "K = 10")
+    topk_weight: float = 1.0  # its weight (the authors' --topk_w 1)
+    topk_from_epoch: int = 1  # the Top-K term is on from this epoch (the authors' second stage)
+
+
 class HassDrafter(EagleDrafter):
     name = "hass"
+    Options = HassOptions
     w_reg = 1.0  # EAGLE's weights (the authors' v_w = 1.0, p_w = 0.1); CORAL halves w_reg
-
-    @classmethod
-    def build_module(cls, target, steps: int = 3, topk: int = 10, topk_weight: float = 1.0, topk_from_epoch: int = 1,
-                     **eagle_options):
-        head = super().build_module(target, **eagle_options)
-        head.steps, head.topk, head.topk_weight, head.topk_from_epoch = steps, topk, topk_weight, topk_from_epoch
-        return head
 
     @classmethod
     def step_targets(cls, batch, target):
@@ -97,36 +100,35 @@ class HassDrafter(EagleDrafter):
         return emb, mask_tok, true, teacher_probs(target, true)
 
     @classmethod
-    def step_loss(cls, head, pred: torch.Tensor, true: torch.Tensor, p: torch.Tensor, target, topk_weight: float):
-        """One step's w_reg L_reg + w_cls L_cls (+ topk_weight L_topK), the LM head applied at loss positions only.
-        pred, true [M, H]; p [M, V]."""
+    def step_loss(cls, pred: torch.Tensor, true: torch.Tensor, p: torch.Tensor, target, topk: int, topk_weight: float):
+        """One step's w_reg L_reg + w_cls L_cls (+ topk_weight L_topK over the target's top-`topk`), the LM head
+        applied at loss positions only. pred, true [M, H]; p [M, V]."""
         reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
         logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
         loss = cls.w_reg * reg + cls.w_cls * soft_ce(p, logq)
         parts = {"reg": reg.item()}
         if topk_weight:
-            top_p, top_idx = p.topk(head.topk, dim=-1)
+            top_p, top_idx = p.topk(topk, dim=-1)
             topk_loss = -(top_p * logq.gather(-1, top_idx)).sum(-1).mean()
             loss = loss + topk_weight * topk_loss
             parts["top"] = topk_loss.item()
         return loss, parts
 
     @classmethod
-    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
+    def training_steps(cls, module, batch, target, opts: HassOptions,
+                       epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
         """The n harmonized steps as n graphs, each backpropagated by the trainer before the next is built."""
-        head = getattr(module, "module", module)
         emb, mask_tok, true, p = cls.step_targets(batch, target)
-        w_topk = head.topk_weight if epoch >= head.topk_from_epoch else 0.0
-        steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], head.steps)
+        w_topk = opts.topk_weight if epoch >= opts.topk_from_epoch else 0.0
+        steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps)
         for j, pred_all in enumerate(steps, 1):
-            loss, parts = cls.step_loss(head, pred_all[:, :-1][mask_tok], true, p, target, w_topk)
+            loss, parts = cls.step_loss(pred_all[:, :-1][mask_tok], true, p, target, opts.topk, w_topk)
             yield loss, {f"{k}{j}": v for k, v in parts.items()}
 
     @classmethod
-    def training_loss(cls, module, batch, target):
+    def training_loss(cls, module, batch, target, opts: HassOptions):
         """The summed step losses as one number (for tests and tools; training backpropagates step by step)."""
         loss, parts = 0.0, {}
-        head = getattr(module, "module", module)
-        for piece, part in cls.training_steps(module, batch, target, epoch=head.topk_from_epoch):
+        for piece, part in cls.training_steps(module, batch, target, opts, epoch=opts.topk_from_epoch):
             loss, parts = loss + piece, {**parts, **part}
         return loss, parts

@@ -64,7 +64,7 @@ class CrossAttentionBlock(nn.Module):
                 kv: tuple[torch.Tensor, torch.Tensor] | None = None, states: torch.Tensor | None = None,
                 states_pos: torch.Tensor | None = None) -> torch.Tensor:
         """emb [B, Q, H] at positions pos [B, Q]; keys/values either cached (kv: K, V [B, nkv, K, dh]) or projected
-        here from states [B, K, H] at states_pos [B, K] (training: inside forward, as DDP wants); allowed
+        here from states [B, K, H] at states_pos [B, K] (training); allowed
         [B, 1, Q, K] bool, every row needs one True -> predicted states [B, Q, H]."""
         k, v = kv if kv is not None else self.keys(states, states_pos)
         b, n, _ = emb.shape

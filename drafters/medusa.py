@@ -19,6 +19,7 @@ verification is lossless at any temperature. Medusa's typical acceptance (lossy)
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,9 +94,21 @@ def load_authors_medusa(path: Path, target) -> MedusaHeads:
     return module.to(target.device)
 
 
+@dataclass
+class MedusaOptions:
+    num_heads: int = 4  # K heads
+    decay: float = 0.8  # lambda_k = decay^k
+    labels: str = "ground_truth"  # ground_truth (the paper's CE on the data's tokens) | target (self-distillation)
+
+    def __post_init__(self):
+        if self.labels not in ("ground_truth", "target"):
+            raise SpecbenchError(f"medusa: labels={self.labels!r} is not one of ground_truth, target")
+
+
 class MedusaDrafter(TrainableDrafter):
     name = "medusa"
     needs = frozenset({HIDDEN})
+    Options = MedusaOptions
 
     ACC_RANKS = 10  # ranks per head whose accuracy validation measures (the widest tree `auto` can build)
 
@@ -128,20 +141,15 @@ class MedusaDrafter(TrainableDrafter):
         return super().load_module(target, checkpoint, options)
 
     @classmethod
-    def build_module(cls, target, num_heads: int = 4, decay: float = 0.8, labels: str = "ground_truth") -> MedusaHeads:
-        if labels not in ("ground_truth", "target"):
-            raise SpecbenchError(f"medusa: labels={labels!r} is not one of ground_truth, target")
-        heads = MedusaHeads(target.hidden_size, num_heads).to(target.device)
-        heads.decay, heads.labels = decay, labels
-        return heads
+    def build_module(cls, target, opts: MedusaOptions) -> MedusaHeads:
+        return MedusaHeads(target.hidden_size, opts.num_heads).to(target.device)
 
     @classmethod
-    def training_loss(cls, module, batch, target):
-        feats = module(batch.hidden_in)  # [B, T, K, H]: a single forward through the (possibly DDP) module
+    def training_loss(cls, module, batch, target, opts: MedusaOptions):
+        feats = module(batch.hidden_in)  # [B, T, K, H]
         k_heads = feats.shape[2]
-        heads = getattr(module, "module", module)  # unwrap DDP for the hyperparameters
         label_p = row_of = None
-        if heads.labels == "target":  # one LM-head pass serves every head: y_{u+2}'s law is read off h_{u+1}
+        if opts.labels == "target":  # one LM-head pass serves every head: y_{u+2}'s law is read off h_{u+1}
             keep = batch.loss_mask[:, 2:].bool()  # [B, T-2]: every label position some head is trained on
             label_p = teacher_probs(target, batch.hidden[:, 1:-1][keep])  # [M, V]
             with torch.no_grad():
@@ -155,7 +163,7 @@ class MedusaDrafter(TrainableDrafter):
                 ce = soft_ce(label_p[row_of[:, k - 1 :][:, : mask.shape[1]][mask]], logits.log_softmax(-1))
             else:
                 ce = F.cross_entropy(logits, batch.input_ids[:, k + 1 :][mask])
-            loss = loss + heads.decay**k * ce
+            loss = loss + opts.decay**k * ce
             parts[f"ce{k}"] = ce.item()
         return loss, parts
 

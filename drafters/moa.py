@@ -24,6 +24,8 @@ not say); CA uses RoPE at both sides' positions (as our Beagle block).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,20 +96,33 @@ def bounded_starts(length: int, low: int, high: int, gen: torch.Generator | None
     return starts.to(device)
 
 
+@dataclass
+class MoAOptions:
+    tli: int = 0  # target layers run after the drafter (0: the drafter predicts the last hidden state)
+    lsa_head_dim: int = 64
+    lsa_mlp: int = 1152
+    sa_kv_heads: int = 1
+    sa_mlp: int = 72
+    ca_mlp: int = 1008
+    block_min: int = 5  # training: the T-step-bounded CA mask's block sizes ~ U{block_min..block_max} (Table 6)
+    block_max: int = 15
+
+
 class MoADrafter(TrainableDrafter):
     name = "moa"
     needs = frozenset({KV})
+    Options = MoAOptions
     lambda_kl, lambda_reg = 0.1, 1.0  # Table 6
 
-    def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
-        self._bind(self.load_module(target, checkpoint, module), target)
+    def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None,
+                 net: MoAModule | None = None):
+        """`net`: draft with this module as it is (validation drafts with the module being trained), instead of
+        loading `checkpoint`."""
+        self.net = net if net is not None else self.load_module(target, checkpoint, module)
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
-
-    def _bind(self, net: MoAModule, target) -> None:
-        self.net = net
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.final_norm, self.rotary = target.decoder.norm, target.decoder.rotary_emb
-        self.tli_layers = list(target.decoder.layers[len(target.decoder.layers) - net.tli :])  # frozen, shared
+        self.tli_layers = list(target.decoder.layers[len(target.decoder.layers) - self.net.tli :])  # frozen, shared
         self.reset()
 
     def reset(self) -> None:
@@ -119,13 +134,11 @@ class MoADrafter(TrainableDrafter):
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
-    def build_module(cls, target, tli: int = 0, lsa_head_dim: int = 64, lsa_mlp: int = 1152, sa_kv_heads: int = 1,
-                     sa_mlp: int = 72, ca_mlp: int = 1008, block_min: int = 5, block_max: int = 15) -> MoAModule:
-        if not 0 <= tli < target.model.config.num_hidden_layers:
-            raise ValueError(f"tli={tli} must be in [0, {target.model.config.num_hidden_layers})")
-        net = MoAModule(target, tli, lsa_head_dim, lsa_mlp, sa_kv_heads, sa_mlp, ca_mlp).to(target.device)
-        net.block_min, net.block_max = block_min, block_max
-        return net
+    def build_module(cls, target, opts: MoAOptions) -> MoAModule:
+        if not 0 <= opts.tli < target.model.config.num_hidden_layers:
+            raise ValueError(f"tli={opts.tli} must be in [0, {target.model.config.num_hidden_layers})")
+        return MoAModule(target, opts.tli, opts.lsa_head_dim, opts.lsa_mlp, opts.sa_kv_heads, opts.sa_mlp,
+                         opts.ca_mlp).to(target.device)
 
     @staticmethod
     def _layer_kv(kv: torch.Tensor, layer: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,31 +160,29 @@ class MoADrafter(TrainableDrafter):
         ca_allowed = (idx[None, :] <= starts[:, None])[None] & real[:, None, :]
         ca_allowed[:, :, 0] |= (starts < 0)[None]  # nothing to see: key 0, never trained
         out = net(target.decoder.embed_tokens(ids), pos, pre_pad, kv, ca_allowed[:, None])
-        head = getattr(net, "module", net)
         x = out
-        if head.tli:
+        if net.tli:
             nkv = target.decoder.layers[0].self_attn.k_proj.out_features // target.decoder.layers[0].self_attn.head_dim
-            first = len(target.decoder.layers) - head.tli
+            first = len(target.decoder.layers) - net.tli
             see_pred = (idx[None, :] > starts[:, None]) & (idx[None, :] <= idx[:, None])  # own block, up to itself
             allowed = torch.cat([ca_allowed, see_pred[None].expand(b, -1, -1) & real[:, None, :]], -1)[:, None]
             for i, layer in enumerate(target.decoder.layers[first:]):
                 k, v = cls._layer_kv(kv, first + i, nkv)
                 x, _, _ = target_layer(layer, target.decoder.rotary_emb, x, pos, k, v, allowed)
-        x = target.decoder.norm(x) if head.tli else x
+        x = target.decoder.norm(x) if net.tli else x
         if rows is not None:
             x = x[rows]
         return out, target.lm_head(x.to(target.dtype)).float()
 
     @classmethod
-    def training_loss(cls, module, batch, target):
-        head = getattr(module, "module", module)
+    def training_loss(cls, module, batch, target, opts: MoAOptions):
         t = batch.input_ids.shape[1]
-        starts = bounded_starts(t, head.block_min, head.block_max, None, batch.input_ids.device)
+        starts = bounded_starts(t, opts.block_min, opts.block_max, None, batch.input_ids.device)
         rows = torch.zeros_like(batch.attn_mask, dtype=torch.bool)
         rows[:, :-1] = batch.loss_mask[:, 1:].bool()  # the query at q predicts t_{q+1}
         rows &= (starts >= 0)[None]
         out, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts, rows)
-        true = batch.hidden if head.tli == 0 else batch.pre[:, :, head.tli - 1]
+        true = batch.hidden if module.tli == 0 else batch.pre[:, :, module.tli - 1]
         p = teacher_probs(target, batch.hidden[rows])  # [M, V]
         logq = logits.log_softmax(-1)
         kl_loss = kl(p, logq)
@@ -185,8 +196,7 @@ class MoADrafter(TrainableDrafter):
         """Greedy chains through the decoding path itself (the target's K/V recomputed for the prefix)."""
         from specbench.target import cache_kv
 
-        d = cls.__new__(cls)  # the decoding path around the module being trained (no tree policy needed)
-        d._bind(module, target)
+        d = cls(target, net=module)  # the decoding path around the module being trained
         out = []
         for t in positions:
             d.prefill(None)

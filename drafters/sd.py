@@ -17,6 +17,8 @@ sampled chain: `gamma` is then unused).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
@@ -85,8 +87,14 @@ def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.nn.functional.pad(logits, (0, vocab - v), value=float("-inf"))
 
 
+@dataclass
+class SDOptions:
+    init_layers: list[int] = field(default_factory=lambda: [0, -1])  # target layers copied before distillation
+
+
 class IndependentDrafter(TrainableDrafter):
     name = "sd"
+    Options = SDOptions
 
     def __init__(self, target, gamma: int = 5, model_path: str | None = None, checkpoint: str | None = None,
                  module: dict | None = None, tree: dict | None = None):
@@ -109,11 +117,12 @@ class IndependentDrafter(TrainableDrafter):
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
-    def build_module(cls, target, init_layers: list[int] = (0, -1)) -> PreTrainedModel:
-        return small_llama(target, list(init_layers))
+    def build_module(cls, target, opts: SDOptions) -> PreTrainedModel:
+        return small_llama(target, list(opts.init_layers))
 
     @classmethod
-    def training_loss(cls, module, batch, target):
+    def training_loss(cls, module, batch, target, opts: SDOptions):
+        del opts  # the loss has no option
         # the 49k-way LM heads (student and teacher) dominate the cost: apply them only where there is a loss
         # (assistant tokens: ~40% of the real tokens, fewer of the padded ones), not on every position
         hs = module.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attn_mask).last_hidden_state

@@ -17,7 +17,8 @@ train_set, _ = prepare_features(tr.target, tr.tc, tr.model_cfg, kv=False, rank=0
 idx = train_set.index()
 for label, ckpt in [("untrained", None), ("eagle-trained", "weights/smollm2-135m/eagle")]:
     torch.manual_seed(0)
-    head = CoralDrafter.build_module(tr.target, steps=3, csra_weight=0.0)
+    opts = CoralDrafter.options(steps=3, csra_weight=0.0)
+    head = CoralDrafter.build_module(tr.target, opts)
     if ckpt:
         load_checkpoint(ckpt, head, tr.target, "eagle")
     regs, cs = [], []
@@ -25,7 +26,7 @@ for label, ckpt in [("untrained", None), ("eagle-trained", "weights/smollm2-135m
         for i in range(0, 16, 2):
             b = collate([train_set.load(*idx[j]) for j in (i, i + 1)], tr.target.device)
             add_noise(b, "uniform", 0.1, torch.Generator().manual_seed(i))
-            parts = {k: v for _, part in CoralDrafter.training_steps(head, b, tr.target, epoch=0) for k, v in part.items()}
+            parts = {k: v for _, part in CoralDrafter.training_steps(head, b, tr.target, opts, epoch=0) for k, v in part.items()}
             regs.append(sum(parts[f"reg{j}"] for j in (1, 2, 3)) / 3)  # per step, as Eq. 3 weighs them
             cs.append(sum(parts[f"csra{j}"] for j in (1, 2, 3)) / 3)
     r, c = sum(regs) / len(regs), sum(cs) / len(cs)

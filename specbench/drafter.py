@@ -14,7 +14,8 @@ target's frozen weights (embeddings, LM head) at construction is allowed and is 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -62,16 +63,40 @@ class NoDrafter(Drafter):
         pass
 
 
+@dataclass
+class NoOptions:
+    """A method with nothing to set."""
+
+
 class TrainableDrafter(Drafter):
     """A drafter with trained weights. Each method supplies only its module, its loss and its own-prediction chain;
     the shared trainer (specbench/train.py) does data, features, optimisation, validation, checkpoints and DDP.
+
+    `Options` is the method's typed options (a dataclass): what its YAML's `module:` may set, the module's shape and
+    the method's training hyperparameters alike. Checkpoints record them as a dict; `options()` types them, and an
+    unknown name is one clear error. The trainer builds the module from them and passes them, with the plain module
+    (never a DDP wrapper: the trainer averages gradients across ranks itself), to `training_steps` / `training_loss`.
 
     Training batches (specbench.train.Batch) carry, right-padded to the longest sequence:
       input_ids [B, T], loss_mask [B, T] (1 on assistant tokens), attn_mask [B, T] (1 on real tokens),
       hidden [B, T, H] (the frozen target's last hidden states, clean: targets), hidden_in [B, T, H] (the same with the
       configured noise: inputs).
-    `training_loss` must call `module(...)` once for everything it trains (DDP synchronises gradients in forward).
     """
+
+    Options: ClassVar[type] = NoOptions
+
+    @classmethod
+    def options(cls, raw: Mapping | None = None, **overrides):
+        """`Options` from a config or checkpoint dict (and keyword overrides); an unknown name fails in one line."""
+        from specbench.errors import SpecbenchError
+
+        given = {**(raw or {}), **overrides}
+        known = {f.name for f in fields(cls.Options)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise SpecbenchError(f"drafter {cls.name!r} has no option {', '.join(unknown)} "
+                                 f"(its module options: {', '.join(sorted(known)) or 'none'})")
+        return cls.Options(**given)
 
     @classmethod
     def load_module(cls, target, checkpoint: str | None, options: dict | None) -> "torch.nn.Module":
@@ -91,7 +116,7 @@ class TrainableDrafter(Drafter):
             if meta.get("drafter") != cls.name:  # before its options build a module they do not fit
                 raise SpecbenchError(f"checkpoint {checkpoint} is a {meta.get('drafter')!r} drafter, not {cls.name!r}")
             options = meta.get("module", options)
-        module = cls.build_module(target, **cls.decoding_options(options))
+        module = cls.build_module(target, cls.options(cls.decoding_options(options)))
         if checkpoint:
             load_checkpoint(Path(checkpoint), module, target, cls.name)
         return module.eval().requires_grad_(False)
@@ -103,20 +128,21 @@ class TrainableDrafter(Drafter):
 
     @classmethod
     @abstractmethod
-    def build_module(cls, target, **options) -> "torch.nn.Module":
-        """Fresh trainable weights for `target` (frozen target weights may be copied or referenced, never trained)."""
+    def build_module(cls, target, opts) -> "torch.nn.Module":
+        """Fresh trainable weights for `target` shaped by `opts` (an `Options`); frozen target weights may be copied
+        or referenced, never trained."""
 
     @classmethod
     @abstractmethod
-    def training_loss(cls, module, batch, target) -> tuple["torch.Tensor", dict[str, float]]:
+    def training_loss(cls, module, batch, target, opts) -> tuple["torch.Tensor", dict[str, float]]:
         """Scalar loss and named parts (for the logs)."""
 
     @classmethod
-    def training_steps(cls, module, batch, target, epoch: int) -> Iterator[tuple["torch.Tensor", dict[str, float]]]:
+    def training_steps(cls, module, batch, target, opts, epoch: int) -> Iterator[tuple["torch.Tensor", dict[str, float]]]:
         """The losses of one batch as independent graphs, backpropagated one after another (gradients accumulate):
-        by default the single `training_loss`. `epoch` lets staged methods (Beagle) switch objectives."""
+        by default the single `training_loss`. `epoch` lets staged methods (Beagle, HASS) switch objectives."""
         del epoch
-        yield cls.training_loss(module, batch, target)
+        yield cls.training_loss(module, batch, target, opts)
 
     @classmethod
     def validation_extras(cls, module, val, target) -> dict:

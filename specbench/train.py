@@ -9,7 +9,8 @@
    fp32/TF32 or bf16 autocast; DDP under torchrun (gloo on CPU, nccl on CUDA);
 4. after every epoch: per-position acceptance with the drafter running on its own predictions, the simulated tau,
    training tokens/s and peak memory, logged to <out>/log.jsonl; a resumable `last` checkpoint; `final` at the end.
-Each method supplies only build_module / training_loss / chain_predict (specbench/drafter.py: TrainableDrafter).
+Each method supplies only its typed Options, build_module / training_loss / chain_predict (specbench/drafter.py:
+TrainableDrafter); it sees the plain module, never a DDP wrapper.
 """
 from __future__ import annotations
 
@@ -205,6 +206,39 @@ def autocast(tc: TrainConfig, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
 
 
+def broadcast_state(module: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Rank 0's parameters, buffers and optimiser moments on every rank (what DDP's constructor broadcasts, plus the
+    optimiser state a resumed rank 0 loaded)."""
+    for t in module.state_dict().values():
+        dist.broadcast(t, 0)
+    for state in opt.state.values():
+        for t in state.values():
+            if torch.is_tensor(t):
+                dist.broadcast(t, 0)
+
+
+def average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """The mean gradient over ranks, in one flat all-reduce (DDP's result; no overlap with backward, which for a
+    drafter's few layers costs little). A parameter no piece reached on a rank counts as a zero gradient there, so
+    every rank reduces the same layout."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world
+    for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+        p.grad = g
+
+
+def rank_spread(module: torch.nn.Module) -> float:
+    """The largest difference of any weight between ranks (0.0: every rank holds the same weights, as it must:
+    identical starting weights, averaged gradients, the same optimiser)."""
+    flat = torch.cat([p.detach().float().reshape(-1) for p in module.parameters()])
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return float((hi - lo).max())
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -240,6 +274,7 @@ class Trainer:
         self.out = Path(self.tc.out_dir) / self.model_cfg.name / cfg.drafter.name
         module = cfg.drafter.get("module")
         self.module_options = OmegaConf.to_container(module, resolve=True) if module is not None else {}
+        self.opts = self.cls.options(self.module_options)  # typed; an unknown option fails before any work
 
     def meta(self, epoch: int, step: int, metrics: dict) -> dict:
         return {"drafter": self.cls.name, "module": self.module_options, "target": self.model_cfg.name,
@@ -254,13 +289,14 @@ class Trainer:
         torch.manual_seed(tc.seed)
         needs_kv = KV in getattr(self.cls, "needs", ())
         train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=needs_kv, rank=self.rank)
-        module = self.cls.build_module(self.target, **self.module_options).to(dev)
+        module = self.cls.build_module(self.target, self.opts).to(dev)
         module.train()
         params = [p for p in module.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
                                 fused=dev.type == "cuda")
         first_epoch, step = self._resume(module, opt)
-        model = torch.nn.parallel.DistributedDataParallel(module) if self.world > 1 else module
+        if dist.is_initialized():  # every rank starts from rank 0's weights (and optimiser state, when resumed)
+            broadcast_state(module, opt)
         index = train_set.index()
         val_items = [val_set.load(*ix) for ix in val_set.index()]  # small, read once, every epoch's validation
         total_steps = tc.epochs * math.ceil(len(shard(list(range(len(index))), self.rank, self.world)) / tc.batch_size)
@@ -275,11 +311,15 @@ class Trainer:
         for epoch in range(first_epoch, tc.epochs):
             mem.reset()
             t0 = time.perf_counter()
-            step, tokens, done = self._epoch(model, params, opt, train_set, index, epoch, step, total_steps, logf,
+            step, tokens, done = self._epoch(module, params, opt, train_set, index, epoch, step, total_steps, logf,
                                              noise_gen, needs_kv)
             epoch_s = time.perf_counter() - t0
+            spread = rank_spread(module) if dist.is_initialized() else None
+            if spread:  # a silent divergence would save one rank's weights as everyone's
+                raise SpecbenchError(f"epoch {epoch + 1}: the ranks' weights differ by up to {spread:g}")
             if self.rank == 0:
-                metrics = self._validate(module, val_items, epoch, step, epoch_s, tokens, mem, logf)
+                extra = {} if spread is None else {"rank_weight_spread": spread}
+                metrics = self._validate(module, val_items, epoch, step, epoch_s, tokens, mem, logf, extra)
                 save_checkpoint(self.out / "last", module, self.target, self.meta(epoch, step, metrics),
                                 extra={"optimizer": opt.state_dict()})
             if dist.is_initialized():
@@ -310,7 +350,7 @@ class Trainer:
         log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], meta["step"])
         return meta["epoch"] + 1, meta["step"]
 
-    def _epoch(self, model, params, opt, train_set, index, epoch: int, step: int, total_steps: int, logf: Path,
+    def _epoch(self, module, params, opt, train_set, index, epoch: int, step: int, total_steps: int, logf: Path,
                noise_gen: torch.Generator, needs_kv: bool) -> tuple[int, int, bool]:
         """One epoch of this rank's shard -> (step, tokens trained on, whether max_steps was reached)."""
         tc, dev = self.tc, self.target.device
@@ -326,7 +366,7 @@ class Trainer:
             add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, tc, total_steps)
-            loss, parts, gnorm = self._step(model, params, opt, batch, epoch, step)
+            loss, parts, gnorm = self._step(module, params, opt, batch, epoch, step)
             step += 1
             tokens += batch.tokens
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -338,14 +378,16 @@ class Trainer:
                 return step, tokens, True
         return step, tokens, False
 
-    def _step(self, model, params, opt, batch, epoch: int, step: int) -> tuple[float, dict, torch.Tensor]:
-        """One optimiser step -> (loss, its named parts, the gradient norm before clipping)."""
+    def _step(self, module, params, opt, batch, epoch: int, step: int) -> tuple[float, dict, torch.Tensor]:
+        """One optimiser step -> (loss, its named parts, the gradient norm before clipping). The method sees the plain
+        module and its typed options; under torchrun the gradients of every piece are averaged across ranks once,
+        after the last piece's backward (what DDP does under no_sync), so a method needs no DDP-aware code."""
         tc = self.tc
         opt.zero_grad(set_to_none=True)
         loss, parts = 0.0, {}
         # one or more independent graphs (Beagle's simulated steps), each backpropagated as soon as it is built, so
         # that peak memory is one graph's; gradients accumulate
-        pieces = self.cls.training_steps(model, batch, self.target, epoch)
+        pieces = self.cls.training_steps(module, batch, self.target, self.opts, epoch)
         while True:
             with autocast(tc, self.target.device):
                 piece = next(pieces, None)
@@ -355,6 +397,8 @@ class Trainer:
                 raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
             piece[0].backward()
             loss, parts = loss + piece[0].item(), {**parts, **piece[1]}
+        if dist.is_initialized():
+            average_gradients(params, self.world)
         if tc.grad_clip_mode == "value":  # the norm is logged either way (inf: measure, do not rescale)
             gnorm = torch.nn.utils.clip_grad_norm_(params, float("inf"))
             torch.nn.utils.clip_grad_value_(params, tc.grad_clip)
@@ -364,14 +408,14 @@ class Trainer:
         return loss, parts, gnorm
 
     def _validate(self, module, val_items, epoch: int, step: int, epoch_s: float, tokens: int, mem: PeakMemory,
-                  logf: Path) -> dict:
+                  logf: Path, extra: dict) -> dict:
         """The epoch's validation (rank 0), logged -> the metrics its checkpoint records."""
         val = validate(self.cls, module, val_items, self.tc, self.target)
         module.eval()
         val |= self.cls.validation_extras(module, val_items, self.target)
         module.train()
         metrics = {"kind": "val", "epoch": epoch, "step": step, **val, "epoch_s": epoch_s,
-                   "train_tokens_per_s": tokens * self.world / epoch_s, **mem.read()}
+                   "train_tokens_per_s": tokens * self.world / epoch_s, **mem.read(), **extra}
         self._log(logf, metrics)
         log.info("epoch %d: sim tau %.3f, alpha %s", epoch + 1, val["sim_tau"], " ".join(f"{a:.2f}" for a in val["alpha"]))
         return metrics

@@ -64,7 +64,8 @@ def measure(job: dict) -> dict:
     train_set, _ = prepare_features(target, tc, model_cfg, kv=KV in cls.needs, rank=0)
     batch = fixed_batch(train_set, tc, device, kv=KV in cls.needs)
     add_noise(batch, tc.noise, tc.noise_scale, torch.Generator().manual_seed(0))
-    module = cls.build_module(target, **job["module"]).to(device).train()
+    opts = cls.options(job["module"])
+    module = cls.build_module(target, opts).to(device).train()
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
     epoch = job["epoch"]
@@ -79,7 +80,7 @@ def measure(job: dict) -> dict:
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        pieces = cls.training_steps(module, batch, target, epoch)
+        pieces = cls.training_steps(module, batch, target, opts, epoch)
         while True:
             with autocast(tc, device):  # the trainer's precision: the forward under autocast, backward outside
                 piece = next(pieces, None)

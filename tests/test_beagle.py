@@ -14,10 +14,13 @@ def test_windows_tile_the_sequence_from_a_random_offset():
     assert rel.min() == 1 and rel.max() == 5
 
 
+OPTS = BeagleDrafter.options(window=4, sim_steps=3)
+
+
 def setup(seed=0, t=14):
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
     torch.manual_seed(seed)
-    block = BeagleDrafter.build_module(target, window=4, sim_steps=3).eval()
+    block = BeagleDrafter.build_module(target, OPTS).eval()
     ids = torch.randint(0, 64, (1, t))
     hidden = target.prefill(ids, target.new_cache()).hidden
     return target, block, ids, hidden
@@ -47,8 +50,8 @@ def test_early_stage_is_one_graph_and_late_stage_one_per_simulated_step():
     block.train()
     ones = torch.ones_like(ids)
     batch = Batch(ids, ones, ones, hidden, hidden)
-    early = list(BeagleDrafter.training_steps(block, batch, target, epoch=0))
-    late = list(BeagleDrafter.training_steps(block, batch, target, epoch=1))
+    early = list(BeagleDrafter.training_steps(block, batch, target, OPTS, epoch=0))
+    late = list(BeagleDrafter.training_steps(block, batch, target, OPTS, epoch=1))
     assert len(early) == 1 and early[0][1]["stage"] == 0
     assert len(late) == 3 and all(p["stage"] == 1 for _, p in late)
     for loss, _ in late:  # independent graphs: each backpropagates alone

@@ -54,12 +54,13 @@ def test_coral_training_is_eq3_per_step_without_a_topk_term():
 
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
     torch.manual_seed(0)
-    head = CoralDrafter.build_module(target, steps=3, csra_weight=0.3)
+    opts = CoralDrafter.options(steps=3, csra_weight=0.3)
+    head = CoralDrafter.build_module(target, opts)
     ids = torch.randint(0, 64, (2, 10))
     hidden = target.prefill(ids, target.new_cache()).hidden
     ones = torch.ones(2, 10, dtype=torch.long)
     batch = Batch(ids, ones, ones, hidden, hidden)
-    pieces = list(CoralDrafter.training_steps(head, batch, target, epoch=5))
+    pieces = list(CoralDrafter.training_steps(head, batch, target, opts, epoch=5))
     assert len(pieces) == 3 and all(not any(k.startswith("top") for k in parts) for _, parts in pieces)
     with torch.no_grad():  # the same numbers written out
         emb = target.decoder.embed_tokens(ids[:, 1:])
@@ -106,11 +107,12 @@ def test_router_stage_trains_only_the_router_on_the_frozen_head(tmp_path):
 
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
     torch.manual_seed(0)
-    head = CoralDrafter.build_module(target, steps=2)
+    head = CoralDrafter.build_module(target, CoralDrafter.options(steps=2))
     save_checkpoint(tmp_path / "coral", head, target, {"drafter": "coral", "module": {"steps": 2},
                                                      "target_fingerprint": target_fingerprint(target)})
-    routed = CoralRouterDrafter.build_module(target, base=str(tmp_path / "coral"), groups=4, active=2)
-    assert routed.steps == 2  # stage-1 options come from the base checkpoint
+    opts = CoralRouterDrafter.options(base=str(tmp_path / "coral"), groups=4, active=2)
+    routed = CoralRouterDrafter.build_module(target, opts)
+    assert CoralRouterDrafter.head_options(opts).steps == 2  # stage-1 options come from the base checkpoint
     trainable = {n for n, p in routed.named_parameters() if p.requires_grad}
     assert trainable == {"router.proj.weight"}
     torch.testing.assert_close(routed.fc.weight, head.fc.weight)
@@ -118,6 +120,6 @@ def test_router_stage_trains_only_the_router_on_the_frozen_head(tmp_path):
     hidden = target.prefill(ids, target.new_cache()).hidden
     ones = torch.ones(2, 10, dtype=torch.long)
     batch = Batch(ids, ones, ones, hidden, hidden)
-    loss, parts = CoralRouterDrafter.training_loss(routed, batch, target)
+    loss, parts = CoralRouterDrafter.training_loss(routed, batch, target, opts)
     loss.backward()
     assert routed.router.proj.weight.grad is not None and set(parts) >= {"router1", "router2", "hit1"}

@@ -15,7 +15,7 @@ def test_mask_step_one_is_causal():
 def test_training_steps_equal_decoding_with_own_features():
     torch.manual_seed(0)
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
-    head = HassDrafter.build_module(target, steps=3).eval()
+    head = HassDrafter.build_module(target, HassDrafter.options(steps=3)).eval()
     ids = torch.randint(0, 64, (1, 12))
     hidden = target.prefill(ids, target.new_cache()).hidden  # f_0 .. f_11
     emb = target.decoder.embed_tokens(ids[:, 1:])  # e(t_{i+1}), i = 0..10
@@ -40,19 +40,20 @@ def test_each_step_is_its_own_graph_on_detached_inputs_and_losses_sum():
 
     torch.manual_seed(0)
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
-    head = HassDrafter.build_module(target, steps=3, topk=4, topk_from_epoch=1).train()
+    opts = HassDrafter.options(steps=3, topk=4, topk_from_epoch=1)
+    head = HassDrafter.build_module(target, opts).train()
     ids = torch.randint(0, 64, (2, 10))
     hidden = target.prefill(ids, target.new_cache()).hidden
     ones = torch.ones(2, 10, dtype=torch.long)
     batch = Batch(ids, ones, ones, hidden, hidden)
-    early = list(HassDrafter.training_steps(head, batch, target, epoch=0))
-    late = list(HassDrafter.training_steps(head, batch, target, epoch=1))
+    early = list(HassDrafter.training_steps(head, batch, target, opts, epoch=0))
+    late = list(HassDrafter.training_steps(head, batch, target, opts, epoch=1))
     assert len(early) == len(late) == 3
     assert not any(k.startswith("top") for _, parts in early for k in parts)
     assert all(f"top{j}" in late[j - 1][1] for j in (1, 2, 3))
     # step 2's gradient equals what a fresh forward on the detached step-1 prediction gives: nothing flows back
     # through step 1 (were it not detached, backward of step 2 would also reach step 1's output)
-    pieces = HassDrafter.training_steps(head, batch, target, epoch=0)
+    pieces = HassDrafter.training_steps(head, batch, target, opts, epoch=0)
     first, _ = next(pieces)
     head.zero_grad()
     first.backward()
@@ -60,7 +61,7 @@ def test_each_step_is_its_own_graph_on_detached_inputs_and_losses_sum():
     second, _ = next(pieces)
     second.backward()  # would raise if step 2's graph reached step 1's (already freed) graph
     assert not torch.equal(head.fc.weight.grad, g1)
-    total, _ = HassDrafter.training_loss(head, batch, target)
+    total, _ = HassDrafter.training_loss(head, batch, target, opts)
     torch.testing.assert_close(total, sum(l for l, _ in late), atol=1e-5, rtol=1e-5)
 
 
@@ -72,11 +73,11 @@ def test_eagle_head_is_the_authors_layout():
     from drafters.eagle import EagleDrafter
 
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
-    head = EagleDrafter.build_module(target)
+    head = EagleDrafter.build_module(target, EagleDrafter.options())
     keys = set(head.state_dict())
     assert isinstance(head.body.layers[0].input_layernorm, nn.Identity)
     assert not any("input_layernorm" in k for k in keys)
     assert {"fc.weight", "fc.bias", "body.layers.0.post_attention_layernorm.weight"} <= keys
-    no_bias = EagleDrafter.build_module(target, bias=False, rms_norm_eps=1e-5)
+    no_bias = EagleDrafter.build_module(target, EagleDrafter.options(bias=False, rms_norm_eps=1e-5))
     assert "fc.bias" not in no_bias.state_dict()
     assert no_bias.body.layers[0].post_attention_layernorm.variance_epsilon == 1e-5

@@ -21,7 +21,8 @@ def test_blocks_are_between_the_bounds_and_see_only_earlier_activations():
 def test_training_prediction_equals_drafting(tli):
     target = TargetModel(tiny_llama(vocab=64, layers=3, seed=1), None, torch.device("cpu"), "tiny")
     torch.manual_seed(0)
-    net = MoADrafter.build_module(target, tli=tli, lsa_head_dim=16, lsa_mlp=48, sa_mlp=16, ca_mlp=48).eval()
+    net = MoADrafter.build_module(target, MoADrafter.options(tli=tli, lsa_head_dim=16, lsa_mlp=48, sa_mlp=16,
+                                                            ca_mlp=48)).eval()
     t = 16
     ids = torch.randint(0, 64, (1, t))
     cache = target.new_cache()
@@ -31,8 +32,7 @@ def test_training_prediction_equals_drafting(tli):
     starts = bounded_starts(t, 5, 15, torch.Generator().manual_seed(3), "cpu")
     with torch.no_grad():
         _, logits = MoADrafter.predict(net, target, ids, kv, torch.ones(1, t, dtype=torch.long), starts)
-    d = MoADrafter.__new__(MoADrafter)
-    d._bind(net, target)
+    d = MoADrafter(target, net=net)
     with torch.no_grad():
         for n in sorted(set(starts.tolist()) - {-1}):  # every block: activations up to n, queries n+1 ..
             d.prefill(None)

@@ -24,7 +24,7 @@ MC_SIM_7B_63 = {"kind": "static", "name": "mc_sim_7b_63",
 
 
 def trained_like_head(target, seed=4):
-    head = EagleDrafter.build_module(target)
+    head = EagleDrafter.build_module(target, EagleDrafter.options())
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -52,7 +52,7 @@ def test_a_head_written_in_the_authors_layout_is_the_same_head(tmp_path):
 def test_a_head_with_an_input_norm_has_no_authors_layout(tmp_path):
     target = target_of(DIMS["tiny"])
     with pytest.raises(SpecbenchError, match="input RMSNorm in layer 0"):
-        save_authors_head(EagleDrafter.build_module(target, input_norm=True), target, tmp_path / "head")
+        save_authors_head(EagleDrafter.build_module(target, EagleDrafter.options(input_norm=True)), target, tmp_path / "head")
 
 
 def test_the_exported_target_is_the_same_model_for_transformers_4_36(tmp_path, tiny_checkpoint):

@@ -170,17 +170,48 @@ def test_a_checkpoint_for_another_target_is_refused(make_cfg, tmp_path, sharegpt
         MedusaDrafter(other, checkpoint=str(final))
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "beagle", "hass"])
-def test_ddp_two_cpu_processes(tmp_path, sharegpt_file, tiny_checkpoint, drafter):
-    """medusa: one graph; beagle: one graph per simulated step (late stage in epoch 2); hass: n forwards, one graph."""
-    over = train_overrides(tmp_path, sharegpt_file)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517",
+def torchrun(tiny_checkpoint, drafter: str, over: list[str], nproc: int = 2) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port=29517",
            "-m", "specbench.train", f"drafter={drafter}", f"model.path={tiny_checkpoint}", "model.name=tiny", *over]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "beagle", "hass"])
+def test_ddp_two_cpu_processes(tmp_path, sharegpt_file, tiny_checkpoint, drafter):
+    """medusa: one graph; beagle: one graph per simulated step (late stage in epoch 2); hass: n graphs. On uneven data
+    (9 conversations over 2 ranks) neither rank hangs, and after every epoch both hold the same weights, measured by the
+    trainer across ranks (the largest difference of any weight, recorded with the epoch)."""
+    torchrun(tiny_checkpoint, drafter, train_overrides(tmp_path, sharegpt_file, **{"train.conversations": 9}))
     meta = read_meta(tmp_path / "ckpt" / "tiny" / drafter / "final")
-    assert meta["world_size"] == 2
+    assert meta["world_size"] == 2 and meta["metrics"]["rank_weight_spread"] == 0.0
+    vals = [r for r in read_jsonl(tmp_path / "ckpt" / "tiny" / drafter / "log.jsonl") if r["kind"] == "val"]
+    assert [r["rank_weight_spread"] for r in vals] == [0.0, 0.0]
+
+
+def test_two_ranks_train_what_one_process_trains(tmp_path, sharegpt_file, tiny_checkpoint, tiny_target):
+    """2 ranks x batch 1 see, step by step, the pairs one process sees as batches of 2 (the shards interleave the same
+    shuffled order); with averaged gradients the weights end where one process's do, up to the per-rank loss means
+    (a mean of two means, not one mean over both) and the padded last step of the uneven data."""
+    from safetensors.torch import load_file
+
+    common = {"train.conversations": 9, "train.epochs": 1, "train.features_dir": tmp_path / "features"}
+    torchrun(tiny_checkpoint, "eagle", train_overrides(tmp_path, sharegpt_file, **common, **{
+        "train.batch_size": 1, "train.out_dir": tmp_path / "two"}))
+    cmd = [sys.executable, "-m", "specbench.train", "drafter=eagle", f"model.path={tiny_checkpoint}", "model.name=tiny",
+           *train_overrides(tmp_path, sharegpt_file, **common, **{"train.batch_size": 2, "train.out_dir": tmp_path / "one",
+                                                                   "train.save_dtype": "float32"})]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    two = load_file(str(tmp_path / "two" / "tiny" / "eagle" / "last" / "model.safetensors"))
+    one = load_file(str(tmp_path / "one" / "tiny" / "eagle" / "last" / "model.safetensors"))
+    torch.manual_seed(0)  # the trainer's seed: the weights both started from
+    init = EagleDrafter.build_module(tiny_target, EagleDrafter.options()).state_dict()
+    moved = sum(float((one[k].float() - init[k]).norm() ** 2) for k in one) ** 0.5
+    apart = sum(float((two[k].float() - one[k].float()).norm() ** 2) for k in one) ** 0.5
+    # measured: apart / moved = 0.06 (0.057 on even data: the mean of two means); another seed gives 1.0
+    assert moved > 0 and apart < 0.15 * moved, (apart, moved)
 
 
 def test_trained_weights_decode_through_the_runner_and_name_the_run(make_cfg, tmp_path, sharegpt_file):
@@ -213,13 +244,14 @@ def test_medusa_self_distillation_labels_are_the_targets_law_at_each_offset():
 
     torch.manual_seed(0)
     t = TargetModel(tiny_llama(vocab=50, layers=2), None, torch.device("cpu"), "t")
-    m = MedusaDrafter.build_module(t, num_heads=3, labels="target")
+    opts = MedusaDrafter.options(num_heads=3, labels="target")
+    m = MedusaDrafter.build_module(t, opts)
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0, 0.1)
     ids, h = torch.randint(0, 50, (2, 20)), torch.randn(2, 20, 32)
     lm = (torch.rand(2, 20) > 0.3).long()
-    loss, _ = MedusaDrafter.training_loss(m, Batch(ids, lm, torch.ones_like(ids), h, h), t)
+    loss, _ = MedusaDrafter.training_loss(m, Batch(ids, lm, torch.ones_like(ids), h, h), t, opts)
     feats, ref = m(h), 0.0
     for k in range(1, 4):
         mask = lm[:, k + 1 :].bool()
@@ -235,13 +267,14 @@ def test_sd_distillation_loss_equals_kl_over_every_assistant_position():
 
     torch.manual_seed(0)
     t = TargetModel(tiny_llama(vocab=50, layers=3), None, torch.device("cpu"), "t")
-    m = IndependentDrafter.build_module(t, init_layers=[0, -1])
+    opts = IndependentDrafter.options(init_layers=[0, -1])
+    m = IndependentDrafter.build_module(t, opts)
     ids, attn = torch.randint(0, 50, (2, 20)), torch.ones(2, 20, dtype=torch.long)
     attn[1, 14:] = 0  # right padding
     lm = (torch.rand(2, 20) > 0.4).long() * attn
     with torch.no_grad():
         h = t.model(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states[-1]
-    loss, parts = IndependentDrafter.training_loss(m, Batch(ids, lm, attn, h, h), t)
+    loss, parts = IndependentDrafter.training_loss(m, Batch(ids, lm, attn, h, h), t, opts)
     mask = lm[:, 1:].bool()
     logq = m(input_ids=ids, attention_mask=attn).logits[:, :-1][mask].log_softmax(-1)
     p = t.lm_head(h[:, :-1][mask]).softmax(-1)
