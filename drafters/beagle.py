@@ -39,7 +39,7 @@ from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import CrossAttentionBlock
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.tree import visible
+from specbench.tree import in_block, up_to_start, visible
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -61,16 +61,15 @@ def simulated_steps(module, emb: torch.Tensor, states: torch.Tensor, real: torch
     idx = torch.arange(t, device=emb.device)
     pos = idx[None].expand(b, -1)
     rel = idx - start
-    see_true = (idx[None, :] <= start[:, None])[None] & real[:, None, :]  # [B, T, T]
-    see_true[:, :, 0] |= start[None, :] < 0  # rows with nothing to see get key 0 (never trained)
-    same_win = start[:, None] == start[None, :]
+    see_true = up_to_start(start, real)  # [B, T, T]
+    own = in_block(start, include_self=False)  # [T, T] earlier positions of the query's own window
     pred = torch.zeros_like(states)
     for i in range(1, steps + 1):
         with torch.set_grad_enabled(torch.is_grad_enabled() and (trained is None or trained[i - 1])):
             if i == 1:  # one key buffer: the true states
                 out = module(emb, pos, see_true[:, None], states=states, states_pos=pos)
             else:  # and the second, of predicted states (a fixed 2T keys whatever i)
-                see_pred = same_win & (rel[None, :] <= i - 1) & (idx[None, :] < idx[:, None])
+                see_pred = own & (rel[None, :] <= i - 1)  # ... whose states were predicted at steps < i
                 allowed = torch.cat([see_true, see_pred[None] & real[:, None, :]], dim=-1)
                 out = module(emb, pos, allowed[:, None], states=torch.cat([states, pred], 1),
                              states_pos=torch.cat([pos, pos], 1))
@@ -153,7 +152,7 @@ class BeagleDrafter(TrainableDrafter):
             states, spos = hidden[None, :t], torch.arange(t, device=hidden.device)[None]
             tok, row = input_ids[t : t + 1], []
             for d in range(depth):
-                allowed = torch.ones(1, 1, 1, states.shape[1], dtype=torch.bool, device=hidden.device)
+                allowed = visible(torch.zeros(1, 0, dtype=torch.bool, device=hidden.device), states.shape[1])
                 h = module(embed(tok)[None], torch.tensor([[t + d]], device=hidden.device), allowed, states=states,
                            states_pos=spos)
                 tok = target.lm_head(h.to(target.dtype))[0, -1].argmax(-1, keepdim=True)

@@ -29,22 +29,7 @@ import torch.nn.functional as F
 
 from drafters.distill import soft_ce, teacher_probs
 from drafters.eagle import EagleDrafter, EagleOptions
-
-
-def harmonized_mask(length: int, steps: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive mask [1, 1, steps*L, steps*L] over the concatenated steps (row/col s*L + i = step s+1, position i)."""
-    i = torch.arange(length, device=device)
-    allowed = torch.zeros(steps * length, steps * length, dtype=torch.bool, device=device)
-    for s in range(steps):  # query step j = s + 1
-        rows = s * length + i
-        p = i - s  # the root of the simulated tree
-        allowed[rows[:, None], i[None, :]] = i[None, :] <= p[:, None]  # target-feature keys up to the root
-        for k in range(1, s + 1):  # drafted keys x^{k+1} at position p + k
-            col = p + k
-            ok = col >= 0
-            allowed[rows[ok], k * length + col[ok]] = True
-    mask = torch.zeros(1, 1, steps * length, steps * length, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+from specbench.tree import additive, harmonized
 
 
 def harmonized_inputs(emb: torch.Tensor, feats: list[torch.Tensor], pad: torch.Tensor):
@@ -53,9 +38,8 @@ def harmonized_inputs(emb: torch.Tensor, feats: list[torch.Tensor], pad: torch.T
     b, n, _ = emb.shape
     j = len(feats)
     pos = torch.arange(n, device=emb.device).repeat(j)[None].expand(b, -1)
-    mask = harmonized_mask(n, j, emb.dtype, emb.device).expand(b, -1, -1, -1)
-    mask = mask.masked_fill((pad.repeat(1, j) == 0)[:, None, None, :], torch.finfo(emb.dtype).min)
-    return emb.repeat(1, j, 1), torch.cat(feats, dim=1), pos, mask
+    allowed = harmonized(n, j, emb.device)[None] & (pad.repeat(1, j) != 0)[:, None, :]  # [B, jn, jn]
+    return emb.repeat(1, j, 1), torch.cat(feats, dim=1), pos, additive(allowed[:, None], emb.dtype)
 
 
 def next_step_input(feat0: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:

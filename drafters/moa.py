@@ -35,7 +35,7 @@ from specbench.drafter import KV, TrainableDrafter
 from drafters.distill import kl, teacher_probs, top1
 from drafters.layers import CrossAttentionBlock, one_layer_decoder, target_layer
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.tree import tree_attention_mask, visible
+from specbench.tree import in_block, tree_attention_mask, up_to_start, visible
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -157,14 +157,13 @@ class MoADrafter(TrainableDrafter):
         idx = torch.arange(t, device=dev)
         pos = idx[None].expand(b, -1)
         real = pre_pad.bool()
-        ca_allowed = (idx[None, :] <= starts[:, None])[None] & real[:, None, :]
-        ca_allowed[:, :, 0] |= (starts < 0)[None]  # nothing to see: key 0, never trained
+        ca_allowed = up_to_start(starts, real)  # [B, T, T] activations before the block
         out = net(target.decoder.embed_tokens(ids), pos, pre_pad, kv, ca_allowed[:, None])
         x = out
         if net.tli:
             nkv = target.decoder.layers[0].self_attn.k_proj.out_features // target.decoder.layers[0].self_attn.head_dim
             first = len(target.decoder.layers) - net.tli
-            see_pred = (idx[None, :] > starts[:, None]) & (idx[None, :] <= idx[:, None])  # own block, up to itself
+            see_pred = in_block(starts, include_self=True)  # the block's own drafted path, up to itself
             allowed = torch.cat([ca_allowed, see_pred[None].expand(b, -1, -1) & real[:, None, :]], -1)[:, None]
             for i, layer in enumerate(target.decoder.layers[first:]):
                 k, v = cls._layer_kv(kv, first + i, nkv)
@@ -249,7 +248,7 @@ class MoADrafter(TrainableDrafter):
         q = self.net.sa(inputs_embeds=self.embed(tokens[None]).to(wdt), past_key_values=self.sa_cache,
                         position_ids=p, attention_mask=tree_attention_mask(sa_seen, self.sa_len, wdt),
                         use_cache=True).last_hidden_state
-        ca_allowed = torch.ones(1, 1, r, self.acts, dtype=torch.bool, device=self.device)
+        ca_allowed = visible(torch.zeros(r, 0, dtype=torch.bool, device=self.device), self.acts)  # every activation
         x = self.net.ca(q, p, ca_allowed, kv=self.ca_kv)
         if self.net.tli:
             allowed = visible(tli_seen, self.acts)  # [1, 1, R, acts + S']

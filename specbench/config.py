@@ -99,8 +99,13 @@ class TrainConfig:
     seed: int = 0
     resume: bool = True
     max_steps: int | None = None  # stop early (tests, smoke runs)
-    # DDP: how long ranks wait at a collective; rank 0 alone extracts the features first (hours at the paper budget)
+    # DDP: how long ranks wait at a collective (rank 0 alone writes self-distilled answers before extraction starts)
     dist_timeout_min: int = 360
+    # drafters reading the target's K/V (MoA): online = computed per batch from the frozen target (one forward);
+    # stored = extracted with the features (~23 kB/token on SmolLM2, ~512 KiB on Llama-2-7B)
+    kv_features: str = "online"
+    features_shard: int = 64  # conversations per feature shard (the unit of resuming and of sharing out among ranks)
+    loader_workers: Optional[int] = None  # DataLoader processes reading the shards ahead; None: 2 on CUDA, 0 on CPU
 
 
 @dataclass

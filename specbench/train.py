@@ -40,17 +40,18 @@ from specbench.config import ModelConfig, TrainConfig, register_schema, to_datac
 from specbench.conversations import Encoded, encode, load_conversations
 from specbench.engine import Engine
 from specbench.errors import SpecbenchError
-from specbench.features import FeatureSet, extract
+from specbench.features import FeatureSet, extract, online_kv
 from specbench.metrics import PeakMemory
 from specbench.models import chat_prompt_ids, load_model
 from specbench.cli import cli, fail
-from specbench.selfdistill import target_answers
+from specbench.selfdistill import read_done, target_answers
 from specbench.target import TargetModel
 from specbench.drafter import NoDrafter
 from specbench.types import SamplingParams
 
 log = logging.getLogger("specbench.train")
-RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype", "dist_timeout_min"}  # may change on resume
+RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype", "dist_timeout_min",
+               "kv_features", "loader_workers", "features_shard"}  # (kv_features: the same values, tested: test_online_kv_equals_stored)  # may change on resume
 OPTIM_KEYS = {"lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_clip_mode", "noise", "noise_scale"}
 
 
@@ -68,8 +69,15 @@ class Batch:
     def tokens(self) -> int:
         return int(self.attn_mask.sum())
 
+    def to(self, device: torch.device) -> "Batch":
+        """On `device` (non-blocking from pinned memory); hidden_in stays the same tensor as hidden until noised."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        hidden = move(self.hidden)
+        return Batch(move(self.input_ids), move(self.loss_mask), move(self.attn_mask), hidden, hidden,
+                     move(self.kv), move(self.pre))
 
-def collate(items: list[dict], device: torch.device) -> Batch:
+
+def collate(items: list[dict], device: torch.device | str = "cpu") -> Batch:
     t = max(len(x["input_ids"]) for x in items)
     b, h = len(items), items[0]["hidden"].shape[-1]
     ids = torch.zeros(b, t, dtype=torch.long)
@@ -120,34 +128,59 @@ def validation_data(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfi
     return out
 
 
-def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool, rank: int):
-    """Train and validation FeatureSets, extracted by rank 0 once (resumable), shared by every drafter."""
+def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool, rank: int,
+                     world: int = 1):
+    """Train and validation FeatureSets (resumable), shared by every drafter. Under torchrun rank 0 writes the
+    self-distilled answers, then every rank extracts its share of the training shards; rank 0 alone the small
+    validation set. Stored K/V only with `kv` (train.kv_features=stored: MoA's otherwise come online)."""
     key = {"data": cfg.data_path, "n": cfg.conversations, "val": cfg.val_conversations, "max_len": cfg.max_len,
            "dtype": cfg.features_dtype, "kv": kv, "val_new": cfg.val_new_tokens, "system": model_cfg.system_prompt}
     if cfg.answers not in ("dataset", "target"):
         raise SpecbenchError(f"train.answers={cfg.answers!r} is not one of dataset, target")
     if cfg.answers != "dataset":  # (added only when set, so features extracted before the option keep their tag)
         key |= {"answers": cfg.answers, "answer_tokens": cfg.answer_tokens}
+    if cfg.features_shard != 64:  # (the same)
+        key["shard"] = cfg.features_shard
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     root = Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{target_fingerprint(target)}" / tag
+    try:  # complete already? (every rank reads the same directory)
+        return FeatureSet.open(root / "train"), FeatureSet.open(root / "val")
+    except SpecbenchError:
+        pass
+    path = Path(cfg.data_path).expanduser() if cfg.data_path else None
+    train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
+    if cfg.answers == "target":
+        answers = root / "answers.jsonl"
+        if rank == 0:  # generation stays on rank 0 (resumable); the others read its complete file
+            target_answers(target, train_convs, model_cfg.system_prompt, cfg.max_len, cfg.answer_tokens,
+                           cfg.answer_batch_size, answers)
+        if world > 1:
+            dist.barrier()
+        done = read_done(answers)
+        enc = [done[i] for i in range(len(train_convs)) if i in done]
+    else:
+        enc = [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))]
+    train = extract(target, enc, root / "train", cfg.features_dtype, cfg.features_shard, kv=kv, desc="train features",
+                    rank=rank, world=world)
     if rank == 0:
-        try:  # complete already?
-            FeatureSet.open(root / "train")
-            FeatureSet.open(root / "val")
-        except SpecbenchError:
-            path = Path(cfg.data_path).expanduser() if cfg.data_path else None
-            train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
-            if cfg.answers == "target":
-                enc = target_answers(target, train_convs, model_cfg.system_prompt, cfg.max_len, cfg.answer_tokens,
-                                     cfg.answer_batch_size, root / "answers.jsonl")
-            else:
-                enc = [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))]
-            extract(target, enc, root / "train", cfg.features_dtype, kv=kv, desc="train features")
-            extract(target, validation_data(target, cfg, model_cfg, val_convs), root / "val", cfg.features_dtype,
-                    kv=kv, desc="val features")
-    if dist.is_initialized():
+        extract(target, validation_data(target, cfg, model_cfg, val_convs), root / "val", cfg.features_dtype,
+                cfg.features_shard, kv=kv, desc="val features")
+    if world > 1:
         dist.barrier()
-    return FeatureSet.open(root / "train"), FeatureSet.open(root / "val")
+    return train, FeatureSet.open(root / "val")
+
+
+class FeatureItems(torch.utils.data.Dataset):
+    """One training conversation per index, read from its memory-mapped shard (what DataLoader workers prefetch)."""
+
+    def __init__(self, features: FeatureSet, kv: bool):
+        self.features, self.index, self.kv = features, features.index(), kv
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.features.load(*self.index[i], kv=self.kv)
 
 
 @torch.no_grad()
@@ -287,8 +320,13 @@ class Trainer:
         """Features, then epochs of steps, validation and a `last/` checkpoint after each, then `final/`."""
         tc, dev = self.tc, self.target.device
         torch.manual_seed(tc.seed)
+        if tc.kv_features not in ("online", "stored"):
+            raise SpecbenchError(f"train.kv_features={tc.kv_features!r} is not one of online, stored")
         needs_kv = KV in getattr(self.cls, "needs", ())
-        train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=needs_kv, rank=self.rank)
+        stored_kv = needs_kv and tc.kv_features == "stored"
+        self.online_kv = needs_kv and not stored_kv
+        train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=stored_kv, rank=self.rank,
+                                              world=self.world)
         module = self.cls.build_module(self.target, self.opts).to(dev)
         module.train()
         params = [p for p in module.parameters() if p.requires_grad]
@@ -297,9 +335,9 @@ class Trainer:
         first_epoch, step = self._resume(module, opt)
         if dist.is_initialized():  # every rank starts from rank 0's weights (and optimiser state, when resumed)
             broadcast_state(module, opt)
-        index = train_set.index()
+        items = FeatureItems(train_set, kv=stored_kv)
         val_items = [val_set.load(*ix) for ix in val_set.index()]  # small, read once, every epoch's validation
-        total_steps = tc.epochs * math.ceil(len(shard(list(range(len(index))), self.rank, self.world)) / tc.batch_size)
+        total_steps = tc.epochs * math.ceil(len(shard(list(range(len(items))), self.rank, self.world)) / tc.batch_size)
         if tc.max_steps is not None:
             total_steps = min(total_steps, tc.max_steps)
         logf = self.out / "log.jsonl"
@@ -311,8 +349,7 @@ class Trainer:
         for epoch in range(first_epoch, tc.epochs):
             mem.reset()
             t0 = time.perf_counter()
-            step, tokens, done = self._epoch(module, params, opt, train_set, index, epoch, step, total_steps, logf,
-                                             noise_gen, needs_kv)
+            step, tokens, done = self._epoch(module, params, opt, items, epoch, step, total_steps, logf, noise_gen)
             epoch_s = time.perf_counter() - t0
             spread = rank_spread(module) if dist.is_initialized() else None
             if spread:  # a silent divergence would save one rank's weights as everyone's
@@ -350,19 +387,25 @@ class Trainer:
         log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], meta["step"])
         return meta["epoch"] + 1, meta["step"]
 
-    def _epoch(self, module, params, opt, train_set, index, epoch: int, step: int, total_steps: int, logf: Path,
-               noise_gen: torch.Generator, needs_kv: bool) -> tuple[int, int, bool]:
+    def _epoch(self, module, params, opt, items: FeatureItems, epoch: int, step: int, total_steps: int, logf: Path,
+               noise_gen: torch.Generator) -> tuple[int, int, bool]:
         """One epoch of this rank's shard -> (step, tokens trained on, whether max_steps was reached)."""
         tc, dev = self.tc, self.target.device
-        order = list(range(len(index)))
+        order = list(range(len(items)))
         random.Random(tc.seed + epoch).shuffle(order)
         order = shard(order, self.rank, self.world)
         batches = [order[i : i + tc.batch_size] for i in range(0, len(order), tc.batch_size)]
+        workers = tc.loader_workers if tc.loader_workers is not None else (2 if dev.type == "cuda" else 0)
+        # batches are read and collated by `workers` processes ahead of the step (none: in this process)
+        loader = torch.utils.data.DataLoader(items, batch_sampler=batches, collate_fn=collate, num_workers=workers,
+                                             prefetch_factor=2 if workers else None, pin_memory=dev.type == "cuda")
         t0, tokens = time.perf_counter(), 0
-        bar = tqdm(batches, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch",
+        bar = tqdm(loader, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch",
                    disable=self.rank != 0, dynamic_ncols=True)
-        for b in bar:
-            batch = collate([train_set.load(*index[i], kv=needs_kv) for i in b], dev)
+        for batch in bar:
+            batch = batch.to(dev)
+            if self.online_kv:  # MoA's target K/V from the frozen target, not from disk
+                batch.kv, batch.pre = online_kv(self.target, batch.input_ids, batch.attn_mask, tc.features_dtype)
             add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, tc, total_steps)

@@ -54,6 +54,7 @@ def fixed_batch(train_set, tc: TrainConfig, device, kv: bool = False):
 def measure(job: dict) -> dict:
     """One (method, s) point, in its own process."""
     from specbench.drafter import KV
+    from specbench.features import online_kv
     from specbench.train import add_noise, autocast, prepare_features
 
     torch.manual_seed(0)
@@ -61,8 +62,9 @@ def measure(job: dict) -> dict:
     model, tok, device = load_model(model_cfg)
     target = TargetModel(model, tok, device, model_cfg.name)
     cls = get_class(job["target_cls"])
-    train_set, _ = prepare_features(target, tc, model_cfg, kv=KV in cls.needs, rank=0)
-    batch = fixed_batch(train_set, tc, device, kv=KV in cls.needs)
+    stored = KV in cls.needs and tc.kv_features == "stored"
+    train_set, _ = prepare_features(target, tc, model_cfg, kv=stored, rank=0)
+    batch = fixed_batch(train_set, tc, device, kv=stored)
     add_noise(batch, tc.noise, tc.noise_scale, torch.Generator().manual_seed(0))
     opts = cls.options(job["module"])
     module = cls.build_module(target, opts).to(device).train()
@@ -79,6 +81,8 @@ def measure(job: dict) -> dict:
         return t
 
     def step() -> None:
+        if KV in cls.needs and not stored:  # the trainer's online K/V: part of what a step costs
+            batch.kv, batch.pre = online_kv(target, batch.input_ids, batch.attn_mask, tc.features_dtype)
         opt.zero_grad(set_to_none=True)
         pieces = cls.training_steps(module, batch, target, opts, epoch)
         while True:

@@ -1,7 +1,14 @@
-"""Draft-tree geometry: depths, the tree attention mask and position ids for one target forward over all nodes.
+"""Draft-tree geometry and every attention mask the project builds, in one convention.
 
-Row 0 of every tree forward is the root (the last verified token); rows 1..N are the drafted nodes. Node i sees the
-cached prefix, the root, its ancestors and itself (SpecInfer / Medusa / EAGLE tree attention).
+The convention: a mask is boolean, `allowed[..., q, k]` True where query row q may attend to key column k, shaped
+[B or 1, 1, Q, K] for attention. `additive` turns it into the form HF modules take (0 where allowed, the dtype's
+minimum elsewhere). Every row must allow at least one key.
+
+Decoding (trees): row 0 of every tree forward is the root (the last verified token); rows 1..N are the drafted nodes.
+Node i sees the cached prefix, the root, its ancestors and itself (SpecInfer / Medusa / EAGLE tree attention):
+`ancestor_matrix`, `visible`, `tree_attention_mask`, `tree_position_ids`.
+Training (what a query would see while drafting, simulated over a whole sequence):
+`harmonized` (HASS's aligned steps), `up_to_start` and `in_block` (Beagle's windows, MoA's T-step-bounded blocks).
 
 The forward's geometry is computed on the device from the parents tensor (no host transfer, no per-node Python);
 `node_depths` / `is_chain` are the host-side versions the engine's bookkeeping uses once the step's outcome is read.
@@ -48,13 +55,52 @@ def visible(seen: torch.Tensor, prefix_len: int) -> torch.Tensor:
     return torch.cat([prefix, seen], -1)[None, None]
 
 
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form of a boolean mask (what HF attention takes): 0 where allowed, dtype-min elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def tree_attention_mask(seen: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive form of `visible`: 0 where attention is allowed, dtype-min elsewhere. [1, 1, R, prefix+S]
+    """The additive form of `visible`. [1, 1, R, prefix+S]
     The target's tree forward passes its ancestor matrix (ancestor_matrix, [N+1, N+1]); a drafter growing a tree in
     its own cache passes which drafted slots each new row sees (drafters/trees.py GrowingTree)."""
-    mask = torch.zeros(1, 1, seen.shape[0], prefix_len + seen.shape[1], dtype=dtype, device=seen.device)
-    mask[0, 0, :, prefix_len:].masked_fill_(~seen, torch.finfo(dtype).min)
-    return mask
+    return additive(visible(seen, prefix_len), dtype)
+
+
+def harmonized(length: int, steps: int, device) -> torch.Tensor:
+    """HASS's aligned steps as one forward over the concatenated steps (row/col s*L + i = step s+1, position i):
+    the query of step j at position i is the j-th draft token of a tree rooted at p = i - j + 1, so it sees the
+    target-feature keys (step 1) at positions <= p and the drafted keys of step k+1 at position p + k, k = 1..j-1
+    (itself included). -> [steps*L, steps*L] bool."""
+    i = torch.arange(length, device=device)
+    allowed = torch.zeros(steps * length, steps * length, dtype=torch.bool, device=device)
+    for s in range(steps):  # query step j = s + 1
+        rows = s * length + i
+        p = i - s  # the root of the simulated tree
+        allowed[rows[:, None], i[None, :]] = i[None, :] <= p[:, None]  # target-feature keys up to the root
+        for k in range(1, s + 1):  # drafted keys x^{k+1} at position p + k
+            col = p + k
+            ok = col >= 0
+            allowed[rows[ok], k * length + col[ok]] = True
+    return allowed
+
+
+def up_to_start(starts: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Queries that see the true states up to their block's start: query q sees real keys k <= starts[q] (Beagle's
+    window start n(q), MoA's last activation before the block); a query with nothing to see (starts[q] < 0) gets
+    key 0, so no row is empty (such rows are never trained). starts [T], real [B, T] bool -> [B, T, T] bool."""
+    idx = torch.arange(starts.shape[0], device=starts.device)
+    allowed = (idx[None, :] <= starts[:, None])[None] & real[:, None, :]
+    allowed[:, :, 0] |= (starts < 0)[None]
+    return allowed
+
+
+def in_block(starts: torch.Tensor, include_self: bool) -> torch.Tensor:
+    """Keys inside the query's own block (after its start, blocks tiling the sequence) and before it, or up to itself:
+    what a query sees of the block's drafted (predicted) states. starts [T] -> [T, T] bool."""
+    idx = torch.arange(starts.shape[0], device=starts.device)
+    before = idx[None, :] <= idx[:, None] if include_self else idx[None, :] < idx[:, None]
+    return (idx[None, :] > starts[:, None]) & before
 
 
 def tree_position_ids(anc: torch.Tensor, prefix_len: int) -> torch.Tensor:

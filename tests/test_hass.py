@@ -2,13 +2,14 @@
 import torch
 from transformers import DynamicCache
 
-from drafters.hass import HassDrafter, harmonized_mask, harmonized_steps
+from drafters.hass import HassDrafter, harmonized_steps
 from specbench.target import TargetModel
+from specbench.tree import harmonized
 from tests.helpers import tiny_llama
 
 
 def test_mask_step_one_is_causal():
-    m = harmonized_mask(5, 1, torch.float32, "cpu")[0, 0] == 0
+    m = harmonized(5, 1, "cpu")
     assert torch.equal(m, torch.tril(torch.ones(5, 5, dtype=torch.bool)))
 
 

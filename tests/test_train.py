@@ -100,6 +100,25 @@ def test_feature_shards_round_trip_and_resume(tiny_target, tmp_path, sharegpt_fi
     assert len(again) == 5 and again.load(*again.index()[4])["input_ids"].tolist() == enc[4].input_ids
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_online_kv_equals_stored(tiny_target, tmp_path, sharegpt_file, dtype):
+    """MoA's K/V and TLI targets computed per (right-padded) batch from the frozen target are the stored features:
+    the same values, rounded through the features' dtype alike (train.kv_features=online vs stored)."""
+    from specbench.features import online_kv
+    from specbench.train import collate
+
+    train, _ = load_conversations(sharegpt_file, 3, 0)
+    enc = [encode(c, tiny_target.tokenizer, None, 200) for c in train]
+    assert len({len(e.input_ids) for e in enc}) > 1  # padding is exercised
+    fs = extract(tiny_target, enc, tmp_path / "f", dtype, kv=True)
+    batch = collate([fs.load(*ix, kv=True) for ix in fs.index()])
+    kv, pre = online_kv(tiny_target, batch.input_ids, batch.attn_mask, dtype)
+    real = batch.attn_mask.bool()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == "float32" else {"atol": 2e-2, "rtol": 1e-2}  # bf16: one ulp
+    torch.testing.assert_close(kv[real], batch.kv[real], **tol)
+    torch.testing.assert_close(pre[real], batch.pre[real], **tol)
+
+
 def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
     base = {"train.data_path": sharegpt_file, "train.conversations": 10, "train.val_conversations": 3,
             "train.max_len": 96, "train.epochs": 2, "train.batch_size": 2, "train.val_new_tokens": 8,
@@ -178,16 +197,45 @@ def torchrun(tiny_checkpoint, drafter: str, over: list[str], nproc: int = 2) -> 
     assert res.returncode == 0, res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "beagle", "hass"])
-def test_ddp_two_cpu_processes(tmp_path, sharegpt_file, tiny_checkpoint, drafter):
-    """medusa: one graph; beagle: one graph per simulated step (late stage in epoch 2); hass: n graphs. On uneven data
-    (9 conversations over 2 ranks) neither rank hangs, and after every epoch both hold the same weights, measured by the
-    trainer across ranks (the largest difference of any weight, recorded with the epoch)."""
-    torchrun(tiny_checkpoint, drafter, train_overrides(tmp_path, sharegpt_file, **{"train.conversations": 9}))
+@pytest.mark.parametrize("drafter", ["medusa", "beagle", "hass", "moa"])
+def test_ddp_two_cpu_processes(tmp_path, sharegpt_file, tiny_checkpoint, tiny_target, drafter):
+    """medusa: one graph; beagle: one graph per simulated step (late stage in epoch 2); hass: n graphs; moa: its K/V
+    online. On uneven data (9 conversations over 2 ranks) neither rank hangs; the two ranks extract the feature shards
+    between them (shards of 2: 5 shards, 3 on rank 0 and 2 on rank 1), the same features one process extracts; after
+    every epoch both hold the same weights, measured by the trainer across ranks (the largest difference of any weight,
+    recorded with the epoch)."""
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.conversations": 9, "train.features_shard": 2})
+    torchrun(tiny_checkpoint, drafter, over)
     meta = read_meta(tmp_path / "ckpt" / "tiny" / drafter / "final")
     assert meta["world_size"] == 2 and meta["metrics"]["rank_weight_spread"] == 0.0
     vals = [r for r in read_jsonl(tmp_path / "ckpt" / "tiny" / drafter / "log.jsonl") if r["kind"] == "val"]
     assert [r["rank_weight_spread"] for r in vals] == [0.0, 0.0]
+    if drafter != "medusa":
+        return
+    (two,) = (tmp_path / "features").glob("*/*/train")  # the (only) training feature set
+    shared = FeatureSet.open(two)
+    assert [s["file"] for s in shared.manifest["shards"]] == [f"shard-{n:05d}.safetensors" for n in range(5)]
+    train, _ = load_conversations(sharegpt_file, 9, 3)
+    one = extract(tiny_target, [encode(c, tiny_target.tokenizer, None, 96) for c in train], tmp_path / "one",
+                  "bfloat16", shard_size=2)
+    assert shared.manifest["count"] == one.manifest["count"] == 9
+    for a, b in zip(shared.index(), one.index()):
+        x, y = shared.load(*a), one.load(*b)
+        assert x["input_ids"].tolist() == y["input_ids"].tolist()
+        torch.testing.assert_close(x["hidden"], y["hidden"])
+
+
+def test_dataloader_workers_train_the_same_weights(tmp_path, sharegpt_file, make_cfg):
+    """train.loader_workers=2 reads and collates the same batches in worker processes: the same weights as 0."""
+    from safetensors.torch import load_file
+
+    finals = []
+    for workers in (0, 2):
+        cfg = make_cfg("drafter=eagle", *train_overrides(tmp_path, sharegpt_file, **{
+            "train.epochs": 1, "train.loader_workers": workers, "train.out_dir": tmp_path / f"w{workers}"}))
+        finals.append(load_file(str(Trainer(cfg).run() / "model.safetensors")))
+    assert finals[0].keys() == finals[1].keys()
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
 
 
 def test_two_ranks_train_what_one_process_trains(tmp_path, sharegpt_file, tiny_checkpoint, tiny_target):

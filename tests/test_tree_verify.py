@@ -195,3 +195,21 @@ def test_rejection_accept_equals_the_sequential_walk(tree, seed, with_q):
     ref_gen = torch.Generator().manual_seed(seed + 1)
     u = torch.rand(len(tokens), generator=ref_gen, dtype=torch.float64)
     assert ours == sequential_walk(tokens, parents, p, q, u.tolist(), ref_gen)
+
+
+def test_block_masks_match_their_definitions():
+    """up_to_start / in_block (Beagle's windows, MoA's blocks) against the definitions written out key by key."""
+    from specbench.tree import in_block, up_to_start
+
+    starts = torch.tensor([-1, 0, 0, 0, 3, 3, 5, 5])  # blocks (1..3), (4..5), (6..7)
+    real = torch.tensor([[True] * 8, [True] * 6 + [False] * 2])
+    got = up_to_start(starts, real)
+    for b in range(2):
+        for q in range(8):
+            want = [(k <= starts[q] or (k == 0 and starts[q] < 0)) and (bool(real[b, k]) or starts[q] < 0 and k == 0)
+                    for k in range(8)]
+            assert got[b, q].tolist() == want
+    for self_too in (False, True):
+        got = in_block(starts, include_self=self_too)
+        for q in range(8):
+            assert got[q].tolist() == [starts[q] < k and (k <= q if self_too else k < q) for k in range(8)]
