@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench.drafter import HIDDEN, TrainableDrafter
+from specbench.drafter import HIDDEN, OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import soft_ce, teacher_probs
 from drafters.trees import paths_from_accuracies, sorted_paths
 from specbench.checkpoints import check_keys, resolve
@@ -113,24 +113,46 @@ class MedusaDrafter(TrainableDrafter):
     ACC_RANKS = 10  # ranks per head whose accuracy validation measures (the widest tree `auto` can build)
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None,
-                 tree: list[list[int]] | str | None = None, tree_nodes: int = 19):
+                 tree: list[list[int]] | str | dict | None = None, tree_nodes: int = 19):
         self.heads = self.load_module(target, checkpoint, module)
         self.lm_head = target.lm_head  # the target's frozen LM head, shared (read only)
         k = len(self.heads.w1)
-        if isinstance(tree, str):
-            if tree != "auto":
-                raise SpecbenchError(f"medusa: tree={tree!r} is neither a list of top-rank paths nor 'auto'")
-            if checkpoint and (resolve(checkpoint) / "medusa_lm_head.pt").is_file():
-                tree = MEDUSA_MC_SIM_7B_63  # published heads carry no measured accuracies: their authors' own tree
-            else:
-                tree = paths_from_accuracies(self.measured_accuracies(checkpoint), tree_nodes)
-        self.paths, parents = sorted_paths(tree or [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]][:k], max_depth=k)
+        tree = self.tree_paths(checkpoint, tree, tree_nodes) or chain_paths(k)  # default: the chain of top-1 heads
+        self.paths, parents = sorted_paths(tree, max_depth=k)
+        # the given order is the preference (paths_from_accuracies and the authors' lists put likelier paths first,
+        # each after its prefix): the first n paths are the tree of n nodes (specbench/costmodel.py replays on it)
+        order = {tuple(p): i for i, p in enumerate(tree)}
+        self.priority = torch.tensor([[-float(order[tuple(p)]) for p in self.paths]], device=target.device)
         self.parents = torch.tensor([parents], device=target.device)
         self.is_chain = is_chain(parents)  # e.g. the default chain of top-1 heads: verified with the causal mask
         self.depth_idx = torch.tensor([len(p) - 1 for p in self.paths], device=target.device)
         self.rank_idx = torch.tensor([p[-1] for p in self.paths], device=target.device)
         self.topk = 1 + int(self.rank_idx.max())
         self.last_h: torch.Tensor | None = None  # [B, H] hidden state of the token before the root
+
+    @classmethod
+    def tree_paths(cls, checkpoint: str | None, tree, tree_nodes: int) -> list[list[int]] | None:
+        """The paths the heads draft, in order of preference: a given list (or a conf/tree static dict), or for
+        `auto` the sparse tree of `tree_nodes` nodes from the checkpoint's measured accuracies (published heads,
+        which carry none: their authors' mc_sim_7b_63); None: the default chain."""
+        if isinstance(tree, dict):
+            if tree.get("kind") != "static":
+                raise SpecbenchError(f"medusa: a tree dict must be a static list of top-rank paths, not {tree.get('kind')!r}")
+            return [list(p) for p in tree["paths"]]
+        if isinstance(tree, str):
+            if tree != "auto":
+                raise SpecbenchError(f"medusa: tree={tree!r} is neither a list of top-rank paths nor 'auto'")
+            if checkpoint and (resolve(checkpoint) / "medusa_lm_head.pt").is_file():
+                return MEDUSA_MC_SIM_7B_63  # published heads carry no measured accuracies: their authors' own tree
+            return paths_from_accuracies(cls.measured_accuracies(checkpoint), tree_nodes)
+        return [list(p) for p in tree] if tree else None
+
+    @classmethod
+    def own_tree(cls, spec: dict) -> OwnTree:
+        """tree=auto cuts Medusa's own tree (the paper's sparse tree): its first n paths of depth <= d."""
+        paths = cls.tree_paths(spec.get("checkpoint"), spec.get("tree"), int(spec.get("tree_nodes", 19)))
+        paths = paths or chain_paths(cls.options(spec.get("module")).num_heads)
+        return OwnTree({"kind": "static", "name": "medusa", "paths": paths}, lambda s, cut: {**s, "tree": cut["paths"]})
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
@@ -218,7 +240,8 @@ class MedusaDrafter(TrainableDrafter):
         logits = self.heads.logits(self.last_h, self.lm_head)  # [B, K, V]
         top = logits.topk(self.topk, dim=-1).indices  # [B, K, topk]
         tokens = top[:, self.depth_idx, self.rank_idx]  # [B, N]
-        return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1), is_chain=self.is_chain)
+        return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1), is_chain=self.is_chain,
+                         priority=self.priority.expand(tokens.shape[0], -1))
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         self.last_h = state.hidden[:, -1]

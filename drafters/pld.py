@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specbench.drafter import Drafter
+from specbench.drafter import Drafter, OwnTree, chain_paths
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
@@ -36,6 +36,13 @@ class PromptLookup(Drafter):
         if not 1 <= min_ngram <= max_ngram or num_pred_tokens < 1 or prefer not in ("first", "last"):
             raise ValueError("pld needs 1 <= min_ngram <= max_ngram, num_pred_tokens >= 1, prefer in {first, last}")
         self.num_pred_tokens, self.max_ngram, self.min_ngram, self.prefer = num_pred_tokens, max_ngram, min_ngram, prefer
+
+    @classmethod
+    def own_tree(cls, spec: dict) -> OwnTree:
+        """tree=auto tunes the chain length: a lookup cut at n tokens drafts the first n of the same continuation."""
+        n = int(spec.get("num_pred_tokens", 10))
+        return OwnTree({"kind": "static", "name": f"prompt lookup, up to {n} tokens", "paths": chain_paths(n)},
+                       lambda s, cut: {**s, "num_pred_tokens": len(cut["paths"])})
 
     def prefill(self, state: TargetState) -> None:
         pass

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from specbench.drafter import TrainableDrafter
+from specbench.drafter import OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import kl, teacher_probs, top1
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.errors import SpecbenchError
@@ -114,6 +114,15 @@ class IndependentDrafter(TrainableDrafter):
         self.model.eval().requires_grad_(False)
         self.cache: DynamicCache | None = None
         self.cached = 0  # tokens in self.cache: always a prefix of the verified tokens plus the last drafts
+
+    @classmethod
+    def own_tree(cls, spec: dict) -> OwnTree | None:
+        """The chain (no tree policy): tree=auto tunes gamma, its first n drafts being a gamma-n chain's."""
+        if spec.get("tree") is not None:
+            return None
+        n = int(spec.get("gamma", 5))
+        return OwnTree({"kind": "static", "name": f"chain of {n}", "paths": chain_paths(n)},
+                       lambda s, cut: {**s, "gamma": len(cut["paths"])})
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod

@@ -140,6 +140,7 @@ class RunConfig:
     model: ModelConfig = MISSING
     drafter: Any = MISSING  # free-form: `_target_`, `name` and the drafter's own constructor arguments
     tree: Any = None  # conf/tree/: the draft-tree policy that tree drafters reference as ${tree}
+    paper_tree: Any = None  # the tree the drafter's own paper decodes with (what tree=paper and tree=auto's base read)
     dataset: DatasetConfig = MISSING
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)

@@ -2,14 +2,18 @@
 
 The papers size their trees for an A100, where verifying 60 tokens costs about one forward; on a 2-core CPU it costs
 several. `tree=auto` (conf/tree/auto.yaml) picks, per drafter, the depth d, top-k k and node count n of its own tree policy
-(`tree.base`: EAGLE-2's dynamic tree by default; k from `tree.topks` and the base's) that maximise predicted tokens/s
-on this device:
+(`tree.base`: the drafter's paper tree, `paper_tree`; k from `tree.topks` and the base's) that maximise predicted
+tokens/s on this device. A static list (EAGLE-1's) is cut to its first n paths of depth <= d; drafters without a tree
+policy tune their own drafts the same way (Drafter.own_tree: pld's and sd's chain length, Medusa's sparse tree):
 
   cost (measured here, cached per device / model / dtype / drafter weights, `calibrate`):
     t_verify(Q)   one target forward over Q new tokens (the root + Q-1 nodes, tree mask) behind the run's own mean
                   context (its prompts + half its new tokens), cache cropped back: median of `repeats` after a
                   warm-up; linear between Q's; and the prefill of the run's mean prompt
-    t_draft(d, k) the drafter's draft time per step with its policy cut at depth d and top-k k (short decodes)
+    t_draft(d, k) the drafter's draft time per step with its policy cut at depth d and top-k k (short decodes of the
+                  calibration prompts), times the context scale: the base tree's draft time per step on the run
+                  prompt nearest the run's mean length over that on a calibration prompt (a drafter attending over
+                  its context drafts slower behind a long prompt)
     overhead      the engine's own time per step (wall - prefill - draft - verify) / steps; prefill per prompt
   acceptance (one traced decode of the calibration prompts with the base tree, Engine(trace=True)):
     each step's tree with its policy's priority (DraftTree.priority: cumulative draft log-probability) and the
@@ -125,9 +129,9 @@ class Choice:
 
 
 def predict(target: TargetCost, drafter: DrafterCost, depth: int, topk: int, nodes: int, new_tokens: int,
-            trace: list[StepTrace]) -> Choice:
+            trace: list[StepTrace], draft_scale: float = 1.0) -> Choice:
     tau = predicted_tau(trace, depth, nodes, topk or None)
-    draft = {(int(d), int(k)): t for d, k, t in drafter.draft}[(depth, topk)]
+    draft = {(int(d), int(k)): t for d, k, t in drafter.draft}[(depth, topk)] * draft_scale
     t_step = draft + target.verify(nodes + 1) + drafter.overhead_s
     # the run's prompt: the target's prefill at its length, plus what the drafter adds to a prefill (calibration)
     prefill = target.prefill_s + max(0.0, drafter.prefill_s - drafter.ar_prefill_s)
@@ -142,15 +146,18 @@ def candidates(base: dict, drafter: DrafterCost) -> list[tuple[int, int, int]]:
     out = []
     for d, k, _ in drafter.draft:
         d, k = int(d), int(k)
-        most = base_nodes(base) if k == 0 else min(base_nodes(base), k + (d - 1) * k * k)
+        most = (sum(len(p) <= d for p in base["paths"]) if k == 0  # a static list cut at depth d holds no more
+                else min(base_nodes(base), k + (d - 1) * k * k))
         out += [(d, k, n) for n in range(d, most + 1)]
     return out
 
 
-def best_tree(target: TargetCost, drafter: DrafterCost, new_tokens: int) -> tuple[Choice, list[Choice]]:
+def best_tree(target: TargetCost, drafter: DrafterCost, new_tokens: int,
+              draft_scale: float = 1.0) -> tuple[Choice, list[Choice]]:
     """The (depth, topk, nodes) of the base policy with the highest predicted tokens/s, and every candidate's."""
     trace = [StepTrace(**s) for s in drafter.trace]
-    grid = [predict(target, drafter, d, k, n, new_tokens, trace) for d, k, n in candidates(drafter.base, drafter)]
+    grid = [predict(target, drafter, d, k, n, new_tokens, trace, draft_scale)
+            for d, k, n in candidates(drafter.base, drafter)]
     return max(grid, key=lambda c: (c.tokens_per_s, -c.nodes)), grid
 
 
@@ -231,6 +238,25 @@ def calibrate_drafter(target, make_drafter: Callable[[dict], Drafter], base: dic
                        trace=[asdict(s) for g in traced for s in g.trace])
 
 
+@dataclass
+class ContextScale:
+    prompt: int  # the run prompt's length
+    calibration_s: float  # the base tree's draft seconds per step on a calibration prompt
+    run_s: float  # ... on the run prompt
+    scale: float  # run_s / calibration_s: what every t_draft(d, k) is multiplied by for this run
+
+
+def context_scale(target, make_drafter: Callable[[dict], Drafter], base: dict, calibration: list[int],
+                  run: list[int], new_tokens: int = 16) -> ContextScale:
+    """The base tree's draft time per step behind the run's prompt over behind a calibration prompt (one short
+    decode each, after a warm-up)."""
+    greedy = SamplingParams()
+    Engine(target, make_drafter(base), greedy).generate(run, 4)  # warm-up at the longer context
+    cal = _per_step([Engine(target, make_drafter(base), greedy).generate(calibration, new_tokens)])[0]
+    at_run = _per_step([Engine(target, make_drafter(base), greedy).generate(run, new_tokens)])[0]
+    return ContextScale(len(run), cal, at_run, at_run / cal if cal > 0 else 1.0)
+
+
 def device_key(device: torch.device) -> str:
     from specbench.envinfo import device_info
 
@@ -282,12 +308,17 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
     dpath = cache_path(cache_root, target.device, model, target.dtype, drafter_key.get("name", "drafter"), key)
     dcost, dpath = cached(dpath, lambda: calibrate_drafter(target, make_drafter, base, prompts, auto.new_tokens,
                                                           auto.topks), DrafterCost)
-    choice, grid = best_tree(tcost, dcost, run_tokens)
+    typical = min(run_prompts, key=lambda p: abs(len(p) - prompt))  # the run prompt nearest the mean length
+    spath = cache_path(cache_root, target.device, model, target.dtype, f"{drafter_key.get('name', 'drafter')}-context",
+                       {**key, "run_prompt": typical})
+    scale, spath = cached(spath, lambda: context_scale(target, make_drafter, base, prompts[0], typical), ContextScale)
+    choice, grid = best_tree(tcost, dcost, run_tokens, scale.scale)
     trace = [StepTrace(**s) for s in dcost.trace]
     paper = predict(tcost, dcost, base_depth(base), base.get("topk", 0) if base["kind"] == "dynamic" else 0,
-                    base_nodes(base), run_tokens, trace)
+                    base_nodes(base), run_tokens, trace, scale.scale)
     record = {"chosen": concrete_tree(base, choice.depth, choice.nodes, choice.topk), "predicted": asdict(choice),
-              "base": base, "base_predicted": asdict(paper), "cost_files": [str(tpath), str(dpath)],
+              "base": base, "base_predicted": asdict(paper), "cost_files": [str(tpath), str(dpath), str(spath)],
+              "draft_context_scale": asdict(scale),
               "verify_s": dict(zip(tcost.sizes, tcost.seconds)), "draft_s": {f"depth {int(d)}, top-k {int(k)}": t for d, k, t in dcost.draft},
               "overhead_s": dcost.overhead_s, "calibration": asdict(auto),
               # the best prediction at each node count (over depths): the figure's curve

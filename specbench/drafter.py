@@ -14,7 +14,7 @@ target's frozen weights (embeddings, LM head) at construction is allowed and is 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
@@ -43,6 +43,26 @@ class Drafter(ABC):
     @abstractmethod
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         """Observe what was kept: state.tokens now ends with the accepted tokens and the bonus/recovered token."""
+
+    @classmethod
+    def own_tree(cls, spec: dict) -> "OwnTree | None":
+        """For tree=auto on a drafter that does not read a conf/tree policy (its `tree` is not ${tree}): its paper's
+        drafts as a static conf/tree dict whose first n paths of depth <= d are what it drafts when cut there, and the
+        constructor arguments that make it draft such a cut. None: nothing to tune this way (tree drafters are tuned
+        through ${tree}; the baseline drafts nothing)."""
+        del spec
+        return None
+
+
+@dataclass
+class OwnTree:
+    base: dict  # {"kind": "static", "name": ..., "paths": [...]} in the drafter's order of preference
+    apply: "Callable[[dict, dict], dict]"  # (constructor spec, a cut of `base`) -> the spec that drafts that cut
+
+
+def chain_paths(n: int) -> list[list[int]]:
+    """A chain of n tokens as static-tree paths: [[0], [0, 0], ...]."""
+    return [[0] * i for i in range(1, n + 1)]
 
 
 class NoDrafter(Drafter):

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from specbench.cli import CONF_DIR  # noqa: E402
 from specbench.metrics import leviathan_improvement  # noqa: E402
+from specbench.records import read_jsonl  # noqa: E402
 
 MISSING = "–"
 PNG_META = {"Software": None}  # no version/time stamps: byte-identical re-runs
@@ -363,6 +364,30 @@ def trainspeed(root: Path) -> None:
                 md.append(f"| {method} | {cell(a)} | {cell(b)} | {b['tokens_per_s'] / a['tokens_per_s']:.2f}x | "
                           f"{a['peak_bytes'] / 2**20:.0f} | {b['peak_bytes'] / 2**20:.0f} |")
         (f.parent / "trainspeed.md").write_text("\n".join(md) + "\n")
+    acceptance(root / "acceptance")
+
+
+def acceptance(root: Path) -> None:
+    """results/trainspeed/acceptance/<drafter>__<precision>__s<seed>/: the last epoch's validation of trainings that
+    differ only in train.precision and seed (scripts/bf16_acceptance.sh)."""
+    rows = []
+    for log in sorted(root.glob("*/log.jsonl")):
+        drafter, precision, seed = log.parent.name.split("__")
+        meta = json.loads((log.parent / "config.json").read_text())
+        val = [r for r in read_jsonl(log) if r["kind"] == "val"][-1]
+        rows.append((drafter, precision, seed, val, meta))
+    if not rows:
+        return
+    first = rows[0][4]
+    md = [f"**Validation after training in fp32 and under bf16 autocast (the embedded budget cut to "
+          f"{first['train']['conversations']} conversations, {first['train']['epochs']} epochs; chain acceptance on "
+          f"the drafter's own predictions, last epoch). device: {first['env'].get('cpu') or first['env'].get('gpu')}; "
+          f"commit {(first.get('git') or {}).get('commit', '?')[:7]}.**", "",
+          "| drafter | precision | seed | sim τ | 0-α | 1-α | train tokens/s |", "|---|---|---|---|---|---|---|"]
+    for drafter, precision, seed, val, _ in rows:
+        md.append(f"| {drafter} | {precision} | {seed.removeprefix('s')} | {val['sim_tau']:.3f} | {val['alpha'][0]:.3f} "
+                  f"| {val['alpha'][1]:.3f} | {val['train_tokens_per_s']:.0f} |")
+    (root / "acceptance.md").write_text("\n".join(md) + "\n")
 
 
 def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Path]:
@@ -376,7 +401,7 @@ def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Pa
         drafters = sorted({d for d, _, v in cells if v != "none"})
         present = {k[1] for k in cells}
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
-        head = ["method", "dataset", "paper tree: τ", "speedup", "predicted", "auto tree", "τ", "predicted speedup",
+        head = ["method", "dataset", "paper tree", "τ", "speedup", "predicted", "auto tree", "τ", "predicted speedup",
                 "measured speedup", "error"]
         rows, errors = [], []
         for d in drafters:
@@ -390,15 +415,18 @@ def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Pa
                     errors.append(abs(err))
                 chosen = auto["chosen"] if auto else None
                 base_pred = auto["base_predicted"]["speedup"] if auto else None
-                rows.append([d, ds, cell(p, "tau"), cell(p, "spu"), MISSING if base_pred is None else f"{base_pred:.2f}x",
-                             f"depth {chosen['depth']}, top-k {chosen['topk']}, {chosen['total_tokens']} tokens" if chosen else MISSING,
+                paper_tree = tree_of(p["_head"]["config"]["drafter"]) if p else None
+                rows.append([d, ds, paper_tree or MISSING, cell(p, "tau"), cell(p, "spu"),
+                             MISSING if base_pred is None else f"{base_pred:.2f}x",
+                             cut_of(chosen) if chosen else MISSING,
                              cell(a, "tau"), MISSING if pred is None else f"{pred:.2f}x", cell(a, "spu"),
                              MISSING if err is None else f"{err:+.0%}"])
         used = [c for c in cells.values()]
         mean_err = f"mean |error| {sum(errors) / len(errors):.0%} over {len(errors)} runs" if errors else "no auto runs"
-        caption = (f"Each drafter at its paper's tree (dynamic: depth 6, top-k 10, 60 tokens) and at the tree sized "
-                   f"for this device (tree=auto: the same policy's depth and token count that maximise predicted "
-                   f"tokens/s, specbench/costmodel.py), T=0; {setting.describe()}. Predicted speedups: the cost model "
+        caption = (f"Each drafter at its paper's tree and at the tree sized for this device (tree=auto: the same "
+                   f"policy cut to the depth, top-k and token count that maximise predicted tokens/s, "
+                   f"specbench/costmodel.py; a static list or chain: its first n paths), T=0; {setting.describe()}. "
+                   f"Predicted speedups: the cost model "
                    f"before the run (one calibration per drafter, on questions no table scores), for the auto tree and "
                    f"for the paper tree; measured: against the baseline of the same job; auto tree {mean_err}. "
                    f"{provenance(used) if used else 'no runs yet'}.")
@@ -412,6 +440,13 @@ def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Pa
     return written
 
 
+def cut_of(tree: dict) -> str:
+    """A tree=auto choice in a table cell: a dynamic tree's depth, top-k and tokens; a static cut's depth and tokens."""
+    if tree.get("kind") == "dynamic":
+        return f"depth {tree['depth']}, top-k {tree['topk']}, {tree['total_tokens']} tokens"
+    return f"depth {max(len(p) for p in tree['paths'])}, {len(tree['paths'])} tokens"
+
+
 def figure_tree_size(cells: dict, path: Path) -> None:
     """Predicted tokens/s against tree size (the cost model's curve, mtbench's calibration) for a few drafters, with
     the measured tokens/s of their paper-tree and auto-tree runs on MT-Bench as points."""
@@ -422,7 +457,8 @@ def figure_tree_size(cells: dict, path: Path) -> None:
         curve = {int(n): v for n, v in a["_head"]["tree_auto"]["curve"].items()}
         color = f"C{i}"
         ax.plot(sorted(curve), [curve[n] for n in sorted(curve)], color=color, lw=1, label=f"{d} predicted")
-        ax.scatter([a["_head"]["tree_auto"]["chosen"]["total_tokens"]], [value(a, "speed")], color=color, marker="o")
+        chosen = a["_head"]["tree_auto"]["chosen"]
+        ax.scatter([chosen.get("total_tokens") or len(chosen["paths"])], [value(a, "speed")], color=color, marker="o")
         p = cells.get((d, "mtbench", "paper"))
         if p:
             ax.scatter([p["_head"]["config"]["drafter"]["tree"]["total_tokens"]], [value(p, "speed")], color=color,

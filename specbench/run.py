@@ -12,7 +12,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -53,6 +53,27 @@ def inference_spec(node: DictConfig | dict) -> dict:
     return spec
 
 
+def with_paper_tree(spec: dict, paper_tree: dict | None) -> dict:
+    """tree=paper (conf/tree/paper.yaml): the drafter's `tree` becomes the tree its YAML picks (`paper_tree`), so the
+    run is named and built exactly as one naming that tree."""
+    tree = spec.get("tree")
+    if isinstance(tree, dict) and tree.get("kind") == "paper":
+        if paper_tree is None:
+            raise SpecbenchError("tree=paper: no paper_tree in the config")
+        return {**spec, "tree": paper_tree}
+    return spec
+
+
+def is_auto(tree) -> bool:
+    return isinstance(tree, dict) and tree.get("kind") == "auto"
+
+
+def own_tree(spec: dict):
+    """The drafter class's own tunable drafts (Drafter.own_tree), for tree=auto on a drafter without ${tree}."""
+    cls = get_class(spec["_target_"]) if spec.get("_target_") else None
+    return cls.own_tree(spec) if cls is not None and hasattr(cls, "own_tree") else None
+
+
 def weights_digest(checkpoint: str) -> str:
     from specbench.checkpoints import weight_file
 
@@ -81,6 +102,9 @@ class Runner:
         self.target = TargetModel(model, tok, device, self.model_cfg.name)
         self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
         self.tree_auto: dict | None = None  # tree=auto: the chosen tree and its prediction (run.json)
+        self.paper_tree = OmegaConf.to_container(cfg.paper_tree, resolve=True) if cfg.get("paper_tree") else None
+        tree = OmegaConf.to_container(cfg.tree, resolve=True) if cfg.get("tree") is not None else None
+        self.global_auto = tree if is_auto(tree) else None  # tree=auto: also tunes drafters without ${tree}
         self._check_prompts()
 
     def prompt_ids(self, q: Question, turn: int, answers: list[str]) -> list[int]:
@@ -103,7 +127,9 @@ class Runner:
             self.prompt_ids(q, 0, [])
 
     def run_dir_for(self, drafter_node: DictConfig) -> tuple[RunDir, dict]:
-        drafter = OmegaConf.to_container(drafter_node, resolve=True)
+        drafter = with_paper_tree(OmegaConf.to_container(drafter_node, resolve=True), self.paper_tree)
+        if self.global_auto is not None and not is_auto(drafter.get("tree")) and own_tree(drafter) is not None:
+            drafter["tree"] = self.global_auto  # pld / sd / medusa tuned by tree=auto: a run of its own
         if drafter.get("checkpoint"):  # the weights, not just their path, identify a run
             drafter["checkpoint_sha256"] = weights_digest(drafter["checkpoint"])
         dataset = OmegaConf.to_container(self.cfg.dataset, resolve=True)
@@ -112,16 +138,24 @@ class Runner:
         return RunDir(self.exp_dir / name), drafter
 
     def make_drafter(self, node: DictConfig) -> Drafter:
-        spec = inference_spec(node)
+        spec = with_paper_tree(inference_spec(node), self.paper_tree)
         tree = spec.get("tree")
-        if isinstance(tree, dict) and tree.get("kind") == "auto":  # conf/tree/auto.yaml: sized for this device
+        if is_auto(tree):  # conf/tree/auto.yaml: the drafter's tree policy sized for this device
             spec["tree"], self.tree_auto = self._auto_tree(spec, tree)
+        elif self.global_auto is not None and (own := own_tree(spec)) is not None:  # its own chain / sparse tree
+            cut, self.tree_auto = self._auto_tree(spec, self.global_auto, own)
+            spec = own.apply(spec, cut)
         return self._instantiate(spec, node.get("name"))
 
-    def _auto_tree(self, spec: dict, tree: dict) -> tuple[dict, dict]:
+    def _auto_tree(self, spec: dict, tree: dict, own=None) -> tuple[dict, dict]:
+        """The tuned cut of the drafter's tree (a conf/tree dict) and its record. `own` (Drafter.own_tree): a drafter
+        without a conf/tree policy, whose base and constructor arguments it gives."""
         from specbench import costmodel
 
         auto = to_dataclass(costmodel.AutoConfig, {k: v for k, v in tree.items() if k != "kind"})
+        if own is not None:
+            auto.base = own.base
+        build = (lambda t: {**spec, "tree": t}) if own is None else (lambda t: own.apply(spec, t))
         cal = to_dataclass(DatasetConfig, OmegaConf.load(CONF_DIR / "dataset" / f"{auto.dataset}.yaml"))
         cal.limit = auto.questions
         prompts = [self.prompt_ids(q, 0, []) for q in load_questions(cal)]
@@ -130,7 +164,7 @@ class Runner:
             key["checkpoint_sha256"] = weights_digest(spec["checkpoint"])
         run_prompts = [self.prompt_ids(q, 0, []) for q in self.questions]
         return costmodel.choose_tree(self.target, auto,
-                                     lambda t: self._instantiate({**spec, "tree": t}, self.cfg.drafter.name),
+                                     lambda t: self._instantiate(build(t), self.cfg.drafter.name),
                                      {"name": self.cfg.drafter.name, **key}, prompts, run_prompts,
                                      self.decoding.max_new_tokens, self.model_cfg.cache_dir, self.model_cfg.name)
 

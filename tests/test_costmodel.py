@@ -113,9 +113,11 @@ def test_a_run_with_tree_auto_records_its_choice_and_is_lossless(make_cfg, tmp_p
     summary = json.loads(run_dir.summary_path.read_text())
     assert summary["lossless"]["matches"] == summary["lossless"]["compared"] > 0
     files = list((tmp_path / "cache" / "costmodel").rglob("*.json"))
-    assert len(files) == 2  # the target's cost and the drafter's, cached
+    assert len(files) == 3  # the target's cost, the drafter's and its draft time at the run's context, cached
+    scale = auto["draft_context_scale"]
+    assert scale["scale"] == pytest.approx(scale["run_s"] / scale["calibration_s"]) and scale["scale"] > 0
     Runner(cfg).make_drafter(cfg.drafter)  # a second resolution reads the cache
-    assert len(list((tmp_path / "cache" / "costmodel").rglob("*.json"))) == 2
+    assert len(list((tmp_path / "cache" / "costmodel").rglob("*.json"))) == 3
     # the experiment's table: the auto run's chosen tree and predicted speedup next to its measured one
     written = report(tmp_path / "results")
     table = (tmp_path / "results" / "tree_auto" / "auto.tiny.md").read_text()
@@ -124,3 +126,40 @@ def test_a_run_with_tree_auto_records_its_choice_and_is_lossless(make_cfg, tmp_p
     chosen = auto["chosen"]
     assert f"depth {chosen['depth']}, top-k {chosen['topk']}, {chosen['total_tokens']} tokens" in row
     assert f"{auto['predicted']['speedup']:.2f}x" in row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("drafter", "over", "arg"), [
+    ("pld", [], "num_pred_tokens"),
+    ("sd", ["drafter.checkpoint=null"], "gamma"),
+    ("medusa", ["drafter.checkpoint=null", "drafter.tree=[[0],[1],[0,0],[0,1],[0,0,0]]"], "tree"),
+    ("eagle", ["drafter.checkpoint=null"], "tree"),
+])
+def test_tree_auto_tunes_drafters_without_a_dynamic_policy(make_cfg, tmp_path, drafter, over, arg):
+    """pld and sd (chains: their length), medusa (its own sparse tree) and eagle (EAGLE-1's static list, its
+    paper_tree): tree=auto cuts each one's own drafts to their first n paths of depth <= d; the run is lossless,
+    named apart from tree=paper's, and the drafter is built with the cut. tree=paper is the drafter's own tree."""
+    common = [f"drafter={drafter}", *over, "tree.questions=1", "tree.new_tokens=10", "dataset.limit=1",
+              f"model.cache_dir={tmp_path / 'cache'}", "out.experiment=tree_auto"]
+    auto_cfg = make_cfg(*common, "tree=auto")
+    paper_cfg = make_cfg(*[c for c in common if not c.startswith("tree.")], "tree=paper")
+    runner = Runner(auto_cfg)
+    run_dir = runner.execute()
+    auto = json.loads(run_dir.run_json.read_text())["tree_auto"]
+    chosen, base = auto["chosen"], auto["base"]
+    assert chosen["kind"] == base["kind"] == "static"
+    assert chosen["paths"] == [p for p in base["paths"] if len(p) <= auto["predicted"]["depth"]][: len(chosen["paths"])]
+    summary = json.loads(run_dir.summary_path.read_text())
+    assert summary["lossless"]["matches"] == summary["lossless"]["compared"] > 0
+    built = runner.make_drafter(auto_cfg.drafter)
+    if arg == "tree" and drafter == "medusa":
+        assert sorted(map(tuple, built.paths)) == sorted(map(tuple, chosen["paths"]))
+    elif arg == "tree":
+        assert built.policy.max_nodes == len(chosen["paths"])
+    else:
+        assert getattr(built, arg) == len(chosen["paths"])
+    paper = Runner(paper_cfg)
+    assert paper.run_dir_for(paper_cfg.drafter)[0].path != run_dir.path
+    if drafter == "eagle":  # tree=paper is EAGLE-1's static list: the same run as naming it
+        static_cfg = make_cfg(*[c for c in common if not c.startswith("tree.")], "tree=static")
+        assert paper.run_dir_for(paper_cfg.drafter)[0].path == Runner(static_cfg).run_dir_for(static_cfg.drafter)[0].path
