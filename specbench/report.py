@@ -444,7 +444,8 @@ def cut_of(tree: dict) -> str:
     """A tree=auto choice in a table cell: a dynamic tree's depth, top-k and tokens; a static cut's depth and tokens."""
     if tree.get("kind") == "dynamic":
         return f"depth {tree['depth']}, top-k {tree['topk']}, {tree['total_tokens']} tokens"
-    return f"depth {max(len(p) for p in tree['paths'])}, {len(tree['paths'])} tokens"
+    n = len(tree["paths"])
+    return f"depth {max(len(p) for p in tree['paths'])}, {n} token{'s' if n > 1 else ''}"
 
 
 def figure_tree_size(cells: dict, path: Path) -> None:
@@ -467,7 +468,7 @@ def figure_tree_size(cells: dict, path: Path) -> None:
     if base:
         ax.axhline(value(base, "speed"), color="grey", lw=0.8, label="baseline (measured)")
     ax.set_xlabel("tokens in the draft tree"), ax.set_ylabel("tokens/s (MT-Bench)")
-    ax.set_title("Lines: the best predicted tree of each size (over depth and top-k); "
+    ax.set_title("Lines: the best predicted tree of each size (over depth and top-k)\n"
                  "measured: o = tree=auto, x = paper tree (depth 6, top-k 10)", fontsize=7)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=6)
