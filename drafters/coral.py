@@ -25,6 +25,7 @@ Drafting stays lossless: the router only changes which tokens are proposed; veri
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -137,6 +138,14 @@ class CoralRouterOptions:
     active: int = 2  # top-k groups active while drafting (paper's best: 2)
 
 
+@functools.lru_cache(maxsize=8)
+def _trained_options(base: str | None) -> CoralOptions:
+    """CORAL's options as `base`'s checkpoint records them (read once, not at every training step)."""
+    from specbench.checkpoints import read_meta
+
+    return CoralDrafter.options(read_meta(base).get("module", {}) if base else {})
+
+
 class CoralRouterDrafter(CoralDrafter):
     """`coral_router`: the frozen CORAL head (stage 1, `base`) plus a trained LM-head router (stage 2)."""
 
@@ -146,9 +155,7 @@ class CoralRouterDrafter(CoralDrafter):
     @staticmethod
     def head_options(opts: CoralRouterOptions) -> CoralOptions:
         """The stage-1 head's options: those `base` was trained with (its record), or CORAL's defaults."""
-        from specbench.checkpoints import read_meta
-
-        return CoralDrafter.options(read_meta(opts.base).get("module", {}) if opts.base else {})
+        return _trained_options(opts.base)
 
     @classmethod
     def build_module(cls, target, opts: CoralRouterOptions):

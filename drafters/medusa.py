@@ -28,7 +28,7 @@ from torch import nn
 
 from specbench.drafter import HIDDEN, OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import soft_ce, teacher_probs
-from drafters.trees import paths_from_accuracies, sorted_paths
+from drafters.trees import list_order, paths_from_accuracies, sorted_paths
 from specbench.checkpoints import check_keys, resolve
 from specbench.errors import SpecbenchError
 from specbench.tree import is_chain
@@ -119,10 +119,7 @@ class MedusaDrafter(TrainableDrafter):
         k = len(self.heads.w1)
         tree = self.tree_paths(checkpoint, tree, tree_nodes) or chain_paths(k)  # default: the chain of top-1 heads
         self.paths, parents = sorted_paths(tree, max_depth=k)
-        # the given order is the preference (paths_from_accuracies and the authors' lists put likelier paths first,
-        # each after its prefix): the first n paths are the tree of n nodes (specbench/costmodel.py replays on it)
-        order = {tuple(p): i for i, p in enumerate(tree)}
-        self.priority = torch.tensor([[-float(order[tuple(p)]) for p in self.paths]], device=target.device)
+        self.priority = torch.tensor([list_order(tree, self.paths)], device=target.device)  # the given order
         self.parents = torch.tensor([parents], device=target.device)
         self.is_chain = is_chain(parents)  # e.g. the default chain of top-1 heads: verified with the causal mask
         self.depth_idx = torch.tensor([len(p) - 1 for p in self.paths], device=target.device)

@@ -35,6 +35,7 @@ from specbench.drafter import KV, TrainableDrafter
 from drafters.distill import kl, teacher_probs, top1
 from drafters.layers import CrossAttentionBlock, one_layer_decoder, target_layer
 from drafters.trees import GrowingTree, Level, make_tree
+from specbench.target import kv_per_token
 from specbench.tree import in_block, tree_attention_mask, up_to_start, visible
 from specbench.types import DraftTree, TargetState, VerifyResult
 
@@ -221,8 +222,7 @@ class MoADrafter(TrainableDrafter):
         if n == self.acts:
             return
         new = slice(self.acts, n)
-        per_layer = [torch.cat([k[0, :, new].transpose(0, 1).flatten(1), v[0, :, new].transpose(0, 1).flatten(1)], -1)
-                     for k, v in state.kv]  # L x [m, 2E_kv]
+        per_layer = [kv_per_token(k[0, :, new], v[0, :, new]) for k, v in state.kv]  # L x [m, 2E_kv]
         wdt = self.net.ca.q_proj.weight.dtype
         states = self.net.lsa(torch.stack(per_layer, 1).to(wdt))[None]  # [1, m, 2E_kv]
         pos = torch.arange(self.acts, n, device=self.device)[None]

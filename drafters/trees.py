@@ -116,13 +116,18 @@ def paths_from_accuracies(acc: list[list[float]], nodes: int) -> list[list[int]]
     return chosen
 
 
+def list_order(given: list[list[int]], paths: list[list[int]]) -> list[float]:
+    """Each of `paths` (topologically sorted) ranked by its place in the `given` list, as a priority (higher first):
+    the authors' lists and paths_from_accuracies put likelier paths first, each after its prefix, so the first n
+    paths are the tree of n nodes (specbench/costmodel.py replays smaller trees on this order)."""
+    order = {tuple(p): i for i, p in enumerate(given)}
+    return [-float(order[tuple(p)]) for p in paths]
+
+
 class StaticTree:
     def __init__(self, paths: list[list[int]], **_):
         self.paths, self.parents = sorted_paths(paths)
-        # the list's own order is its preference (the authors' lists and paths_from_accuracies put likelier paths
-        # first, each after its prefix): the first n paths are the tree of n nodes (specbench/costmodel.py)
-        order = {tuple(p): i for i, p in enumerate(paths)}
-        self.priority = [-float(order[tuple(p)]) for p in self.paths]
+        self.priority = list_order(paths, self.paths)  # the list's own order is its preference
         self.depth = max(len(p) for p in self.paths)
         self.width = 1 + max(max(p) for p in self.paths)
         self.max_nodes = len(self.paths)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from specbench.conversations import Encoded
 from specbench.errors import SpecbenchError
 from specbench.records import atomic_write_json
-from specbench.target import TargetModel, cache_kv
+from specbench.target import TargetModel, cache_kv, kv_per_token
 
 PRE_LAYERS = 3  # with kv: also the residual inputs of the last 3 target layers (what MoA's TLI <= 3 regresses onto)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -100,8 +100,7 @@ def online_kv(target: TargetModel, input_ids: torch.Tensor, attn_mask: torch.Ten
     res = target.decoder(input_ids=input_ids, attention_mask=attn_mask, past_key_values=cache, use_cache=True,
                          output_hidden_states=True)
     kv, pre = _kv_tensors(cache, res.hidden_states, DTYPES[dtype])
-    per_layer = [torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], -1) for k, v in kv]
-    return torch.stack(per_layer, 2).float(), torch.stack(pre, 2).float()
+    return torch.stack([kv_per_token(k, v) for k, v in kv], 2).float(), torch.stack(pre, 2).float()
 
 
 def extract(target: TargetModel, convs: list[Encoded], out: Path, dtype: str = "bfloat16", shard_size: int = 64,

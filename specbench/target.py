@@ -97,6 +97,12 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor, cont
     cache.crop(first + a - cache.get_seq_length())  # transformers' crop takes minus the number of entries to drop
 
 
+def kv_per_token(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One layer's (K, V) [..., kv_heads, T, head_dim] as one row per token, [..., T, 2 * kv_heads * head_dim]: the
+    layout MoA reads (its training features, stored or online, and its drafting)."""
+    return torch.cat([k.transpose(-3, -2).flatten(-2), v.transpose(-3, -2).flatten(-2)], -1)
+
+
 def cache_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) views of the cache for drafters that read the target's key/values (MoA)."""
     return [(layer.keys, layer.values) for layer in cache.layers]

@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +46,7 @@ from specbench.metrics import PeakMemory
 from specbench.models import chat_prompt_ids, load_model
 from specbench.cli import cli, fail
 from specbench.selfdistill import read_done, target_answers
-from specbench.target import TargetModel
+from specbench.target import TargetModel, kv_per_token
 from specbench.drafter import NoDrafter
 from specbench.types import SamplingParams
 
@@ -90,8 +91,7 @@ def collate(items: list[dict], device: torch.device | str = "cpu") -> Batch:
     hid = hid.to(device)
     kv = pre = None
     if "kv" in items[0]:  # (K, V) [kv_heads, n, head_dim] per layer -> [n, L, 2 * kv_heads * head_dim]
-        per_token = [torch.stack([torch.cat([k.transpose(0, 1).flatten(1), v.transpose(0, 1).flatten(1)], -1)
-                                  for k, v in x["kv"]], 1) for x in items]
+        per_token = [torch.stack([kv_per_token(k, v) for k, v in x["kv"]], 1) for x in items]
         kv = torch.zeros(b, t, *per_token[0].shape[1:])
         pre = torch.zeros(b, t, len(items[0]["pre"]), h)
         for i, x in enumerate(items):
@@ -272,6 +272,23 @@ def rank_spread(module: torch.nn.Module) -> float:
     return float((hi - lo).max())
 
 
+def backward_pieces(pieces: Iterator[tuple[torch.Tensor, dict]], tc: TrainConfig, device: torch.device,
+                    step: int | None = None) -> Iterator[tuple[float, dict]]:
+    """A batch's independent graphs (TrainableDrafter.training_steps: Beagle's simulated steps, HASS's aligned ones),
+    each built under the run's precision and backpropagated as soon as it is built, so that peak memory is one
+    graph's; gradients accumulate. Yields each graph's (loss, named parts) after its backward."""
+    while True:
+        with autocast(tc, device):  # the forward under autocast, the backward outside it
+            piece = next(pieces, None)
+        if piece is None:
+            return
+        value = piece[0].item()
+        if not math.isfinite(value):
+            raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
+        piece[0].backward()
+        yield value, piece[1]
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
@@ -428,18 +445,9 @@ class Trainer:
         tc = self.tc
         opt.zero_grad(set_to_none=True)
         loss, parts = 0.0, {}
-        # one or more independent graphs (Beagle's simulated steps), each backpropagated as soon as it is built, so
-        # that peak memory is one graph's; gradients accumulate
         pieces = self.cls.training_steps(module, batch, self.target, self.opts, epoch)
-        while True:
-            with autocast(tc, self.target.device):
-                piece = next(pieces, None)
-            if piece is None:
-                break
-            if not math.isfinite(piece[0].item()):
-                raise SpecbenchError(f"non-finite loss at step {step}: lower train.lr or check the features")
-            piece[0].backward()
-            loss, parts = loss + piece[0].item(), {**parts, **piece[1]}
+        for value, part in backward_pieces(pieces, tc, self.target.device, step):
+            loss, parts = loss + value, {**parts, **part}
         if dist.is_initialized():
             average_gradients(params, self.world)
         if tc.grad_clip_mode == "value":  # the norm is logged either way (inf: measure, do not rescale)

@@ -55,7 +55,7 @@ def measure(job: dict) -> dict:
     """One (method, s) point, in its own process."""
     from specbench.drafter import KV
     from specbench.features import online_kv
-    from specbench.train import add_noise, autocast, prepare_features
+    from specbench.train import add_noise, backward_pieces, prepare_features
 
     torch.manual_seed(0)
     model_cfg, tc = to_dataclass(ModelConfig, job["model"]), to_dataclass(TrainConfig, job["train"])
@@ -84,13 +84,7 @@ def measure(job: dict) -> dict:
         if KV in cls.needs and not stored:  # the trainer's online K/V: part of what a step costs
             batch.kv, batch.pre = online_kv(target, batch.input_ids, batch.attn_mask, tc.features_dtype)
         opt.zero_grad(set_to_none=True)
-        pieces = cls.training_steps(module, batch, target, opts, epoch)
-        while True:
-            with autocast(tc, device):  # the trainer's precision: the forward under autocast, backward outside
-                piece = next(pieces, None)
-            if piece is None:
-                break
-            piece[0].backward()
+        for _ in backward_pieces(cls.training_steps(module, batch, target, opts, epoch), tc, device):
             graph["now"] = 0  # that graph is freed; the next piece starts from nothing
         opt.step()
 
