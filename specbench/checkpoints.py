@@ -1,5 +1,6 @@
 """Drafter checkpoints: `model.safetensors` (trainable weights only) + `config.json` (drafter, module options, the
-target's name and weight fingerprint, training config and metrics). Loading for another target is refused."""
+target's name and weight signature, training config and metrics). Loading for another target is refused; the same
+target loaded in another dtype is the same target (specbench/identity.py)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from specbench.errors import SpecbenchError
 from specbench.features import DTYPES, fingerprint
+from specbench.identity import mismatch, signature
 
 
 def own_state(module: torch.nn.Module, target) -> dict[str, torch.Tensor]:
@@ -80,7 +82,28 @@ def check_keys(path: Path, have: set[str], want: set[str], what: str) -> None:
 
 
 def target_fingerprint(target) -> str:
+    """An exact hash of the weights as loaded (dtype included): a name for dtype-specific caches, not an identity."""
     return fingerprint(target.model)
+
+
+def target_identity(target) -> dict[str, Any]:
+    """What a checkpoint records of its target: the dtype-independent signature (checked on load) and, for the record,
+    the exact fingerprint and the dtype it was trained against."""
+    return {"target_signature": signature(target.model), "target_fingerprint": target_fingerprint(target),
+            "target_dtype": str(target.dtype).removeprefix("torch.")}
+
+
+def check_target(path: Path, meta: dict[str, Any], target) -> None:
+    """Refuse a checkpoint trained for another target; any dtype of the same target passes."""
+    recorded = meta.get("target_signature")
+    if recorded is not None:
+        why = mismatch(recorded, signature(target.model))
+    else:  # written before signatures: only its exact fingerprint (fp32 loads of the same weights) can vouch for it
+        why = None if meta.get("target_fingerprint") == target_fingerprint(target) else (
+            "it records an exact fingerprint only (older checkpoint), which this dtype does not reproduce")
+    if why:
+        raise SpecbenchError(f"checkpoint {path} was trained for target {meta.get('target')!r}, not the loaded "
+                             f"{target.name!r}: {why}")
 
 
 def load_checkpoint(path: Path, module: torch.nn.Module, target, drafter: str) -> dict[str, Any]:
@@ -89,10 +112,7 @@ def load_checkpoint(path: Path, module: torch.nn.Module, target, drafter: str) -
     meta = read_meta(path)
     if meta.get("drafter") != drafter:
         raise SpecbenchError(f"checkpoint {path} is a {meta.get('drafter')!r} drafter, not {drafter!r}")
-    fp = target_fingerprint(target)
-    if meta.get("target_fingerprint") != fp:
-        raise SpecbenchError(f"checkpoint {path} was trained for target {meta.get('target')!r} "
-                             f"(fingerprint {meta.get('target_fingerprint')}), not the loaded {target.name!r} ({fp})")
+    check_target(path, meta, target)
     state = load_file(str(Path(path) / "model.safetensors"))
     check_keys(path, set(state), set(own_state(module, target)), "the module")
     params = dict(module.named_parameters())

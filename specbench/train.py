@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from specbench.drafter import KV, TrainableDrafter
 from specbench import envinfo
-from specbench.checkpoints import load_checkpoint, read_meta, save_checkpoint, target_fingerprint
+from specbench.checkpoints import load_checkpoint, read_meta, save_checkpoint, target_fingerprint, target_identity
 from specbench.config import ModelConfig, TrainConfig, register_schema, to_dataclass
 from specbench.conversations import Encoded, encode, load_conversations
 from specbench.engine import Engine
@@ -142,7 +142,9 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
     if cfg.features_shard != 64:  # (the same)
         key["shard"] = cfg.features_shard
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
-    root = Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{target_fingerprint(target)}" / tag
+    # features are the target's outputs in its loaded dtype: the dtype names the cache, and the exact fingerprint
+    dtype = str(target.dtype).removeprefix("torch.")
+    root = Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{dtype}-{target_fingerprint(target)}" / tag
     try:  # complete already? (every rank reads the same directory)
         return FeatureSet.open(root / "train"), FeatureSet.open(root / "val")
     except SpecbenchError:
@@ -328,7 +330,7 @@ class Trainer:
 
     def meta(self, epoch: int, step: int, metrics: dict) -> dict:
         return {"drafter": self.cls.name, "module": self.module_options, "target": self.model_cfg.name,
-                "target_fingerprint": target_fingerprint(self.target), "train": asdict(self.tc), "epoch": epoch,
+                **target_identity(self.target), "train": asdict(self.tc), "epoch": epoch,
                 "step": step, "metrics": metrics, "git": envinfo.git_commit(), "date": envinfo.now_utc(),
                 "command": " ".join(["specbench.train", *sys.argv[1:]]), "world_size": self.world,
                 "env": envinfo.device_info(self.target.device), "versions": envinfo.versions()}

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from drafters.coral import CoralDrafter, CoralRouterDrafter, LMHeadRouter, csra_loss
-from specbench.checkpoints import save_checkpoint, target_fingerprint
+from specbench.checkpoints import save_checkpoint, target_identity
 from specbench.target import TargetModel
 from tests.helpers import tiny_llama
 
@@ -109,7 +109,7 @@ def test_router_stage_trains_only_the_router_on_the_frozen_head(tmp_path):
     torch.manual_seed(0)
     head = CoralDrafter.build_module(target, CoralDrafter.options(steps=2))
     save_checkpoint(tmp_path / "coral", head, target, {"drafter": "coral", "module": {"steps": 2},
-                                                     "target_fingerprint": target_fingerprint(target)})
+                                                     **target_identity(target)})
     opts = CoralRouterDrafter.options(base=str(tmp_path / "coral"), groups=4, active=2)
     routed = CoralRouterDrafter.build_module(target, opts)
     assert CoralRouterDrafter.head_options(opts).steps == 2  # stage-1 options come from the base checkpoint
