@@ -3,6 +3,7 @@ question set through the shared engine, written to results/<experiment>/<run>/."
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import sys
 import zlib
@@ -25,17 +26,55 @@ from specbench.data import Question, load_questions
 from specbench.engine import Engine, Generation
 from specbench.errors import SpecbenchError
 from specbench.metrics import PeakMemory, summarize
-from specbench.models import chat_prompt_ids, load_model
+from specbench.models import chat_prompt_ids, load_model, pick_dtype
 from specbench.records import RunDir, atomic_write_json, exclusive
 from specbench.sweep import missing_weights, record_failure
 from specbench.target import TargetModel
 
 log = logging.getLogger("specbench")
-def run_name(model: str, drafter: dict, dataset: dict, decoding: dict, bench: BenchConfig, seed: int) -> str:
-    """Everything that changes the records goes into the name, so that runs of different configs never mix."""
-    key = {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": bench.repeats,
-           "seed": seed}
-    return f"{model}__{drafter['name']}__{dataset['name']}__T{decoding['temperature']:g}__{config_hash(key)}"
+def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
+    """The target as the run decodes with it, resolved: which weights (name, hub id, local path, revision, GGUF file),
+    in which dtype (after `auto`), on which kind of device, behind which prompt (template, system prompt), through
+    which attention and placement. Each of these changes the records; where the cache lives or which drafters have
+    published weights does not."""
+    return {"name": cfg.name, "hf_id": cfg.hf_id, "path": cfg.path, "revision": cfg.revision, "gguf_file": cfg.gguf_file,
+            "dtype": str(dtype).removeprefix("torch."), "device": device.type, "chat_template": cfg.chat_template,
+            "system_prompt": cfg.system_prompt, "attn_implementation": cfg.attn_implementation,
+            "device_map": cfg.device_map}
+
+
+def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: int, seed: int) -> dict:
+    """Everything that changes the records: runs of different keys never share a directory."""
+    return {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": repeats,
+            "seed": seed}
+
+
+def run_name(key: dict) -> str:
+    return (f"{key['model']['name']}__{key['drafter']['name']}__{key['dataset']['name']}__"
+            f"T{key['decoding']['temperature']:g}__{config_hash(key)}")
+
+
+def recorded_key(head: dict) -> dict:
+    """The key of an existing run, from its run.json. Runs written before run.json carried `model_identity` are
+    resolved the way the loader resolves them (specbench.models.pick_dtype: `auto` is bf16 on CUDA, else fp32)."""
+    cfg = head["config"]
+    identity = head.get("model_identity")
+    if identity is None:
+        m, device = cfg["model"], torch.device(head["env"]["device"])
+        identity = model_identity(to_dataclass(ModelConfig, m), device, pick_dtype(m.get("dtype", "float32"), device))
+    return run_key(identity, cfg["drafter"], cfg["dataset"], cfg["decoding"], cfg["bench"]["repeats"], cfg["seed"])
+
+
+def differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The dotted keys where two nested dicts differ."""
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def turn_seed(seed: int, repeat: int, qid: str, turn: int) -> int:
@@ -100,6 +139,7 @@ class Runner:
         self.questions = load_questions(self.dataset_cfg)
         model, tok, device = load_model(self.model_cfg)
         self.target = TargetModel(model, tok, device, self.model_cfg.name)
+        self.identity = model_identity(self.model_cfg, device, self.target.dtype)
         self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
         self.tree_auto: dict | None = None  # tree=auto: the chosen tree and its prediction (run.json)
         self.paper_tree = OmegaConf.to_container(cfg.paper_tree, resolve=True) if cfg.get("paper_tree") else None
@@ -126,7 +166,7 @@ class Runner:
         for q in self.questions:
             self.prompt_ids(q, 0, [])
 
-    def run_dir_for(self, drafter_node: DictConfig) -> tuple[RunDir, dict]:
+    def run_dir_for(self, drafter_node: DictConfig) -> tuple[RunDir, dict, dict]:
         drafter = with_paper_tree(OmegaConf.to_container(drafter_node, resolve=True), self.paper_tree)
         if self.global_auto is not None and not is_auto(drafter.get("tree")) and own_tree(drafter) is not None:
             drafter["tree"] = self.global_auto  # pld / sd / medusa tuned by tree=auto: a run of its own
@@ -134,8 +174,8 @@ class Runner:
             drafter["checkpoint_sha256"] = weights_digest(drafter["checkpoint"])
         dataset = OmegaConf.to_container(self.cfg.dataset, resolve=True)
         decoding = OmegaConf.to_container(self.cfg.decoding, resolve=True)
-        name = run_name(self.model_cfg.name, drafter, dataset, decoding, self.bench, self.cfg.seed)
-        return RunDir(self.exp_dir / name), drafter
+        key = run_key(self.identity, drafter, dataset, decoding, self.bench.repeats, self.cfg.seed)
+        return RunDir(self.exp_dir / run_name(key)), drafter, key
 
     def make_drafter(self, node: DictConfig) -> Drafter:
         spec = with_paper_tree(inference_spec(node), self.paper_tree)
@@ -182,12 +222,12 @@ class Runner:
         if problem:  # before the baseline: a job that cannot run its drafter decodes nothing
             raise SpecbenchError(problem)
         baseline_node = OmegaConf.load(CONF_DIR / "drafter" / "none.yaml")
-        baseline_dir, _ = self.run_dir_for(baseline_node)
+        baseline_dir, _, _ = self.run_dir_for(baseline_node)
         is_baseline = self.cfg.drafter.name == "none"
         if not is_baseline and self.bench.baseline:
             with exclusive(baseline_dir.path):  # parallel jobs sharing the baseline compute it once
                 self.run_one(baseline_node, None)
-        run_dir, _ = self.run_dir_for(self.cfg.drafter)
+        run_dir, _, _ = self.run_dir_for(self.cfg.drafter)
         if is_baseline:  # a sweep's own baseline job: the same lock as the drafter jobs' baseline-first
             with exclusive(run_dir.path):
                 self.run_one(self.cfg.drafter, None)
@@ -196,7 +236,12 @@ class Runner:
         return run_dir
 
     def run_one(self, node: DictConfig, baseline: RunDir | None) -> RunDir:
-        run_dir, drafter_spec = self.run_dir_for(node)
+        run_dir, drafter_spec, key = self.run_dir_for(node)
+        if run_dir.exists():  # a resume: only of the very same run (a hash collision or a hand-edited run.json is not)
+            diff = differences(recorded_key(json.loads(run_dir.run_json.read_text())), key)
+            if diff:
+                raise SpecbenchError(f"{run_dir.path} holds a run of another config (differs in {', '.join(diff[:4])}): "
+                                     "refusing to resume it; move it away or pick another out.experiment")
         done = run_dir.done_keys()
         todo = [(r, q) for r in range(self.bench.repeats) for q in self.questions if (r, q.question_id) not in done]
         # the drafter is built (its weights loaded and checked) before anything is written: a drafter that cannot
@@ -209,6 +254,7 @@ class Runner:
                 "run": run_dir.path.name,
                 "experiment": self.cfg.out.experiment,
                 "config": OmegaConf.to_container(self.cfg, resolve=True) | {"drafter": drafter_spec},
+                "model_identity": self.identity,
                 "git": envinfo.git_commit(),
                 "date": envinfo.now_utc(),
                 "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

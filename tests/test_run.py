@@ -66,6 +66,40 @@ def test_a_different_config_writes_a_different_run(make_cfg):
     assert a.path != b.path and a.path.parent == b.path.parent
 
 
+@pytest.mark.parametrize("override", ["model.dtype=bfloat16", "model.system_prompt=Be brief.",
+                                      "model.attn_implementation=eager"])
+def test_the_resolved_target_names_the_run(make_cfg, override):
+    """Measured before the fix: `model.dtype=bfloat16 drafter=none` landed in the fp32 run's directory and "resumed"
+    it. Every resolved field of the target that changes the records now changes the run's name."""
+    fp32 = Runner(make_cfg("drafter=none")).run_dir_for(make_cfg("drafter=none").drafter)[0]
+    cfg = make_cfg("drafter=none", override)
+    other = Runner(cfg).run_dir_for(cfg.drafter)[0]
+    assert other.path != fp32.path and other.path.parent == fp32.path.parent
+
+
+def test_the_run_key_holds_the_resolved_dtype_device_and_placement(make_cfg):
+    import torch
+
+    from specbench.run import model_identity
+
+    runner = Runner(make_cfg("drafter=none"))
+    ident = model_identity(runner.model_cfg, torch.device("cuda", 1), torch.bfloat16)
+    assert (ident["dtype"], ident["device"]) == ("bfloat16", "cuda")  # `auto` as resolved, the kind of device
+    assert {"chat_template", "system_prompt", "attn_implementation", "device_map", "path", "revision"} <= set(ident)
+
+
+def test_a_run_directory_of_another_config_is_not_resumed(make_cfg):
+    """A resume is refused when the run.json in the directory describes another run (hand-edited, or a collision)."""
+    cfg = make_cfg("drafter=none", "dataset.limit=1")
+    run = Runner(cfg).execute()
+    head = json.loads(run.run_json.read_text())
+    assert head["model_identity"]["dtype"] == "float32" and head["model_identity"]["device"] == "cpu"
+    head["model_identity"]["dtype"] = "bfloat16"
+    run.run_json.write_text(json.dumps(head))
+    with pytest.raises(SpecbenchError, match=r"holds a run of another config \(differs in model.dtype\)"):
+        Runner(cfg).execute()
+
+
 def test_sampling_run_records_no_token_match(make_cfg):
     run = Runner(make_cfg("drafter=pld", "decoding.temperature=1.0")).execute()
     recs = read_jsonl(run.records_path)
