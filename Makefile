@@ -8,6 +8,8 @@ EXPERIMENT ?= beagle_table1
 PRESET   ?= cpu
 ARGS     ?=
 PERF_ARGS ?=
+# where runs are written and the tables read (out.root); a rehearsal or a scratch sweep points it elsewhere
+RESULTS  ?= results
 
 TRAIN    ?= embedded
 # processes per machine for `make train` (DDP): NPROC=8 runs torchrun --nproc_per_node=8, one GPU per rank
@@ -39,13 +41,14 @@ test-fast: setup
 # first in every job; re-running skips finished runs and resumes a killed one. Then the tables and figures.
 #   make bench                                   every drafter x MT-Bench/GSM8K/CNN-DM on the embedded SmolLM2 (CPU)
 #   make bench MODEL=llama2-7b PRESET=paper      the same on a GPU;  ARGS='drafter=none,eagle2' narrows the sweep
+# The tables are written even when a job failed (they name the failure); make then exits with the sweep's status.
 bench: setup
-	$(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=$(EXPERIMENT) +preset=$(PRESET) $(ARGS)
-	$(BIN)/python -m specbench.report
+	st=0; $(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=$(EXPERIMENT) +preset=$(PRESET) out.root=$(RESULTS) $(ARGS) || st=$$?; \
+	$(BIN)/python -m specbench.report --results $(RESULTS) && exit $$st
 
 # Every table and figure from results/ alone (specbench/report.py).
 figures: setup
-	$(BIN)/python -m specbench.report
+	$(BIN)/python -m specbench.report --results $(RESULTS)
 
 # Our engine vs transformers' assisted generation / prompt lookup on the same prompts, in one process.
 perf: setup

@@ -26,11 +26,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
 
+from specbench import failures  # noqa: E402
 from specbench.cli import CONF_DIR  # noqa: E402
 from specbench.metrics import leviathan_improvement  # noqa: E402
 from specbench.records import read_jsonl  # noqa: E402
 
 MISSING = "–"
+FAILED = "failed"  # a cell whose job failed and has not finished since (results/<experiment>/failed/)
 PNG_META = {"Software": None}  # no version/time stamps: byte-identical re-runs
 
 
@@ -120,7 +122,8 @@ class Setting:
     @staticmethod
     def of(head: dict) -> "Setting":
         cfg = head["config"]
-        return Setting(cfg["model"]["name"], cfg["model"].get("dtype", "float32"),
+        dtype = (head.get("model_identity") or {}).get("dtype") or cfg["model"].get("dtype", "float32")  # `auto` resolved
+        return Setting(cfg["model"]["name"], dtype,
                        int(cfg["decoding"]["max_new_tokens"]), cfg["dataset"].get("limit"))
 
     def describe(self) -> str:
@@ -228,11 +231,14 @@ def mean_cell(summaries: list[dict | None], metric: str) -> str:
     return MISSING if not vs or None in vs else METRICS[metric][2].format(sum(vs) / len(vs))
 
 
-def render(table: Table, runs: dict, setting: Setting) -> tuple[str, str]:
+def render(table: Table, runs: dict, setting: Setting, failed: dict | None = None) -> tuple[str, str]:
+    """failed: cell key -> failure record (specbench/failures.py) of jobs that failed and have no finished run."""
+    failed = {k: f for k, f in (failed or {}).items() if k not in runs}
     groups = [(d, t) for d in table.datasets for t in table.temperatures]
     label = (lambda d, t: d if len(table.temperatures) == 1 else f"{d} T={t:g}")
     head = ["method"] + [f"{label(d, t)} {METRICS[m][0]}" for d, t in groups for m in table.metrics]
-    rows = [[name] + [cell(runs.get((name, d, t)), m) for d, t in groups for m in table.metrics]
+    rows = [[name] + [FAILED if (name, d, t) in failed else cell(runs.get((name, d, t)), m)
+                      for d, t in groups for m in table.metrics]
             for name in table.drafters]
     if table.mean:
         head += [f"{label('mean', t)} {METRICS[m][0]}" for t in table.temperatures for m in table.metrics]
@@ -243,7 +249,8 @@ def render(table: Table, runs: dict, setting: Setting) -> tuple[str, str]:
     ours = trees(table, used)
     caption = (f"{table.caption}; {setting.describe()}. "
                + (f"The paper's tree: {table.paper_tree}. " if table.paper_tree else "")
-               + (f"Trees of these runs: {ours}. " if ours else "") + f"{provenance(used) if used else 'no runs yet'}.")
+               + (f"Trees of these runs: {ours}. " if ours else "") + f"{provenance(used) if used else 'no runs yet'}."
+               + failed_note(table, failed))
     md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     esc = lambda x: x.replace("_", r"\_").replace("τ", r"$\tau$").replace("α", r"$\alpha$").replace(MISSING, "--")
@@ -252,6 +259,27 @@ def render(table: Table, runs: dict, setting: Setting) -> tuple[str, str]:
     tex += [" & ".join(esc(c) for c in r) + r" \\" for r in rows]
     tex += [r"\bottomrule", r"\end{tabular}", rf"\caption{{{esc(caption)}}}", r"\end{table}"]
     return "\n".join(md) + "\n", "\n".join(tex) + "\n"
+
+
+def failed_note(table: Table, failed: dict) -> str:
+    """The failed jobs of a table's cells, each with its one-line error, for the caption."""
+    keys = [k for k in sorted(failed) if k[0] in table.drafters and k[1] in table.datasets]
+    if not keys:
+        return ""
+    label = (lambda d, t: d if len(table.temperatures) == 1 else f"{d} T={t:g}")
+    return " Failed jobs: " + "; ".join(f"{k[0]} on {label(k[1], k[2])}: {failed[k]['error']}" for k in keys) + "."
+
+
+def load_failures(exp_dir: Path) -> dict[Setting, dict[tuple, dict]]:
+    """Per setting, cell key -> the failure record of a job that failed there (the newest, where several did)."""
+    out: dict[Setting, dict[tuple, dict]] = {}
+    for f in failures.load(exp_dir):
+        cfg = f["config"]
+        key = (cfg["drafter"]["name"], cfg["dataset"]["name"], float(cfg["decoding"]["temperature"]))
+        cells = out.setdefault(Setting.of(f), {})
+        if key not in cells or f["date"] > cells[key]["date"]:
+            cells[key] = f
+    return out
 
 
 def save(fig, path: Path) -> None:
@@ -495,10 +523,13 @@ def report(results: Path) -> list[Path]:
         tables, figures = spec
         paper = [t for t in tables if isinstance(t, Table)]
         settings = load_runs(exp_dir) if paper else {}
+        failed = load_failures(exp_dir) if paper else {}
+        for setting in failed:  # a setting whose every job failed still gets its tables, naming the failures
+            settings.setdefault(setting, {})
         for setting, runs in sorted(settings.items()):
             stem = file_stem(setting, settings)
             for table in paper:
-                md, tex = render(table, runs, setting)
+                md, tex = render(table, runs, setting, failed.get(setting))
                 for suffix, text in ((".md", md), (".tex", tex)):
                     path = exp_dir / f"{table.name}.{stem}{suffix}"
                     path.write_text(text)

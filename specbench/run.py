@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from specbench.drafter import Drafter
-from specbench import divergence, envinfo
+from specbench import divergence, envinfo, failures
 from specbench.cli import CONF_DIR, cli, config_hash, fail
 from specbench.divergence import first_divergence
 from specbench.config import BenchConfig, DatasetConfig, DecodingConfig, ModelConfig, register_schema, to_dataclass
@@ -345,8 +345,13 @@ def _hydra_main(cfg: DictConfig) -> None:
             if isinstance(e, SpecbenchError):
                 fail(e)
             raise
-        log.exception("job #%s failed (the sweep goes on; it will exit non-zero): %s", hc.job.num, e)
+        # a SpecbenchError is the one line that says what to do; anything else is a bug and keeps its traceback
+        (log.error if isinstance(e, SpecbenchError) else log.exception)(
+            "job #%s failed (the sweep goes on; it will exit non-zero): %s", hc.job.num, e)
         record_failure(hc.sweep.dir, hc.job.num, list(hc.overrides.task), e)
+        failures.record(cfg, e, list(hc.overrides.task))  # for the tables: results/<experiment>/failed/
+    else:
+        failures.clear(cfg)
 
 
 def main() -> None:

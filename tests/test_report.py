@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from specbench.records import read_jsonl
-from specbench.report import Setting, Table, experiment_report, load_runs, render, report, tree_of
+from specbench.report import Setting, Table, experiment_report, load_failures, load_runs, render, report, tree_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -136,3 +136,23 @@ def test_a_table_from_two_devices_says_so():
             for d, env in (("mtbench", {"cpu": "cpu0"}), ("gsm8k", {"gpu": "NVIDIA H100"}))}
     md, _ = render(Table("t", "c", ("pld",), ("mtbench", "gsm8k"), ("tau",)), runs, Setting("m", "float32", 64, None))
     assert "full question sets" in md and "device: NVIDIA H100, cpu0 (the runs come from different devices" in md
+
+
+def test_a_failed_job_is_named_in_its_table(make_cfg, tmp_path):
+    """A job that failed leaves a record under results/<experiment>/failed/: the table of its setting is still written
+    (even with no finished run at all), its cells say "failed" instead of "–", and the caption names the error."""
+    from specbench import failures
+
+    cfg = make_cfg("drafter=eagle2", "out.experiment=eagle_alpha")
+    path = failures.record(cfg, RuntimeError("mat1 and mat2 must have the same dtype\nsecond line"), ["drafter=eagle2"])
+    assert path.parent == tmp_path / "results" / "eagle_alpha" / "failed"
+    written = report(tmp_path / "results")
+    assert tmp_path / "results" / "eagle_alpha" / "alpha.tiny.md" in written  # a table although no job finished
+    (setting, cells), = load_failures(tmp_path / "results" / "eagle_alpha").items()
+    md, tex = render(Table("t", "c", ("none", "eagle2"), ("jsonl",), ("tau", "spu")), {}, setting, cells)
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert rows["eagle2"] == "| eagle2 | failed | failed |" and rows["none"] == "| none | – | – |"
+    assert "Failed jobs: eagle2 on jsonl: RuntimeError: mat1 and mat2 must have the same dtype." in md.splitlines()[0]
+    assert "second line" not in md and "failed" in tex
+    failures.clear(cfg)
+    assert not path.exists()

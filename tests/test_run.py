@@ -219,6 +219,10 @@ def test_a_failed_job_does_not_end_the_sweep(tmp_path, tiny_checkpoint, question
     finished = sorted(p.parent.name.split("__")[1] for p in (tmp_path / "results" / "adhoc").glob("*/summary.json"))
     assert finished == ["none", "pld"]
     assert not list((tmp_path / "results" / "adhoc").glob("*__eagle2__*"))
+    assert "Traceback" not in res.stderr  # a SpecbenchError is its one line, also inside a sweep
+    (failed,) = (tmp_path / "results" / "adhoc" / "failed").glob("*.json")  # kept for the tables (make figures)
+    record = json.loads(failed.read_text())
+    assert record["config"]["drafter"]["name"] == "eagle2" and "is a 'moa' drafter" in record["error"]
 
 
 def test_two_parallel_jobs_compute_their_shared_baseline_once(tmp_path, tiny_checkpoint, question_file):
