@@ -21,7 +21,11 @@ class ModelConfig:
     cache_dir: str = "~/.cache/specbench"  # where the dequantised embedded checkpoint is kept
     chat_template: str | None = None  # jinja; None = the tokenizer's own
     system_prompt: str | None = None  # None = no system turn (the template may add its default)
+    # only implementations that take the engine's 4D tree mask (flash_attention_2 takes none: a tree cannot be verified)
     attn_implementation: str = "sdpa"
+    # the files of the hub repository a run needs (`hf download <hf_id> --include ...`): Vicuna v1.3 has .bin weights
+    # only, Llama-2 both (.safetensors are enough), Llama-3 an original/ folder that is not needed
+    download: list[str] = field(default_factory=lambda: ["*.json", "*.safetensors", "tokenizer.model"])
     # accelerate's device map for a target too large for one device (`auto`, or {module name: device}); null = the
     # whole model on `device`. The engine works on the input embeddings' device; logits and hidden states come back
     # there (specbench/target.py), and the cache is compacted on each layer's own device.

@@ -35,7 +35,7 @@ def download(model: ModelConfig, root: Path = REPO / "weights") -> list[Path]:
                 snapshot_download(repo, local_dir=dest, allow_patterns=["*.json", "*.bin", "*.safetensors", "*.pt"])
             except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
                 raise SpecbenchError(f"{repo} could not be downloaded into {dest} (hub access and, for gated "
-                                     f"repositories, `huggingface-cli login`): {str(e).splitlines()[0]}") from None
+                                     f"repositories, `hf auth login`): {str(e).splitlines()[0]}") from None
         out.append(dest)
         print(f"{drafter}: {repo} -> {dest}")
     return out

@@ -98,9 +98,18 @@ def resolve_checkpoint(cfg: ModelConfig) -> str:
     return cfg.hf_id
 
 
+ATTENTION_4D = ("sdpa", "eager")  # the implementations that take an arbitrary 4D additive mask (the tree's)
+
+
+def download_command(cfg: ModelConfig) -> str:
+    """The hub CLI line that fetches what the target needs (huggingface_hub's `hf`; `huggingface-cli` is gone)."""
+    include = " ".join(f'"{p}"' for p in cfg.download)
+    return f"hf download {cfg.hf_id}" + (f" --include {include}" if include else "")
+
+
 def _fetch_hint(cfg: ModelConfig) -> str:
-    return (f"on a machine with hub access run `huggingface-cli download {cfg.hf_id}` (gated models need "
-            f"`huggingface-cli login` and an accepted licence), or point model.path=<local checkpoint dir>")
+    return (f"on a machine with hub access run `{download_command(cfg)}` (gated models need `hf auth login` and an "
+            f"accepted licence), or point model.path=<local checkpoint dir>")
 
 
 def unavailable(cfg: ModelConfig) -> str | None:
@@ -126,9 +135,13 @@ def unavailable(cfg: ModelConfig) -> str | None:
 def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    if cfg.attn_implementation not in ATTENTION_4D:
+        raise SpecbenchError(f"model.attn_implementation={cfg.attn_implementation!r} cannot take the 4D tree mask that "
+                             f"verification needs; use one of {', '.join(ATTENTION_4D)}")
     ckpt = resolve_checkpoint(cfg)
     placement = {} if cfg.device_map is None else {"device_map": _device_map(cfg.device_map)}
     try:
+        # transformers 5 has one tokenizer backend (it ignores use_fast): SentencePiece files are converted on load
         tokenizer = AutoTokenizer.from_pretrained(ckpt, revision=cfg.revision)
         model = AutoModelForCausalLM.from_pretrained(
             ckpt, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation, **placement
@@ -164,5 +177,10 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     if system is not None:
         messages = [{"role": "system", "content": system}, *messages]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # the template writes BOS itself where the model wants one
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        # as the authors' scripts tokenize fastchat's prompt: the tokenizer's own BOS, then the text, which a
+        # SentencePiece tokenizer opens with its dummy-prefix space ("▁[INST]"; after a literal "<s>" it would not)
+        return tokenizer(text[len(bos):])["input_ids"]
+    # otherwise the template writes BOS itself where the model wants one
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -145,7 +145,7 @@ def test_missing_hub_model_is_one_clear_line(tmp_path):
               env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "meta-llama/Llama-2-7b-chat-hf" in lines[0] and "huggingface-cli download" in lines[0]
+    assert len(lines) == 1 and "meta-llama/Llama-2-7b-chat-hf" in lines[0] and "`hf download meta-llama/Llama-2-7b-chat-hf --include" in lines[0]
     assert not any(tmp_path.glob("*/*/records.jsonl"))
 
 
