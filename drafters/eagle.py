@@ -92,6 +92,14 @@ def load_authors_head(path: Path, target) -> "EagleHead":
         if theirs != ours:
             raise SpecbenchError(f"checkpoint {path} is an EAGLE head for {key}={theirs}; the target {target.name!r} "
                                  f"has {ours}")
+    # the RoPE base the head was trained with: EAGLE-1's configs (Vicuna, Llama-2) carry none and their code uses
+    # Llama's 10000; the Llama-3 heads carry 500000. A head used under another base sees rotated keys it never learnt.
+    theirs = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    ours = float((getattr(base, "rope_parameters", None) or {}).get("rope_theta")
+                 or getattr(base, "rope_theta", None) or 10000.0)
+    if theirs != ours:
+        raise SpecbenchError(f"checkpoint {path} is an EAGLE head for rope_theta={theirs:g}; the target "
+                             f"{target.name!r} has {ours:g}")
     file = weight_file(path)
     state = (load_file(str(file)) if file.suffix == ".safetensors"
              else torch.load(file, map_location="cpu", weights_only=True))
@@ -109,7 +117,7 @@ def load_authors_head(path: Path, target) -> "EagleHead":
                 raise SpecbenchError(f"checkpoint {path}: {k} is {tuple(v.shape)}, the head needs "
                                      f"{tuple(params[k].shape)}")
             params[k].copy_(v.to(params[k].dtype))
-    return head.to(target.device)
+    return head.to(target.device, target.dtype)  # the authors: ea_layer.to(base_model.dtype)
 
 
 def save_authors_head(head: "EagleHead", target, out: Path) -> Path:
@@ -125,6 +133,7 @@ def save_authors_head(head: "EagleHead", target, out: Path) -> Path:
            "bias": head.fc.bias is not None, "vocab_size": target.vocab_size,
            "rms_norm_eps": layer0.rms_norm_eps, "hidden_act": layer0.hidden_act,
            "max_position_embeddings": base.max_position_embeddings, "rope_scaling": None,
+           "rope_theta": float((getattr(base, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
            "pad_token_id": base.pad_token_id, "bos_token_id": base.bos_token_id, "eos_token_id": base.eos_token_id,
            **{k: getattr(base, k) for k in AUTHORS_DIMS}}
     state = {k.removeprefix("body."): p.detach().cpu().contiguous() for k, p in head.named_parameters()

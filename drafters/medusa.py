@@ -91,7 +91,7 @@ def load_authors_medusa(path: Path, target) -> MedusaHeads:
             module.w1[i].weight.copy_(state[f"{i}.0.linear.weight"].float())
             module.w1[i].bias.copy_(state[f"{i}.0.linear.bias"].float())
             module.w2[i].weight.copy_(state[f"{i}.1.weight"].float())
-    return module.to(target.device)
+    return module.to(target.device, target.dtype)  # the authors: medusa_head.to(base_model.dtype)
 
 
 @dataclass

@@ -17,6 +17,7 @@ sampled chain: `gamma` is then unused).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from specbench.drafter import OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import kl, teacher_probs, top1
 from drafters.trees import GrowingTree, Level, make_tree
+from specbench.checkpoints import resolve
 from specbench.errors import SpecbenchError
 from specbench.sampling import logits_to_probs, sample
 from specbench.tree import tree_attention_mask
@@ -55,6 +57,18 @@ def small_llama(target, init_layers: list[int]) -> PreTrainedModel:
     decoder.embed_tokens.requires_grad_(False)
     small.lm_head.requires_grad_(False)
     return small
+
+
+def published_draft(checkpoint: str | None) -> str | None:
+    """The checkpoint directory when it holds a whole HF causal LM (a published draft such as Spec-Bench's
+    double7/vicuna-68m, put into weights/<model>/sd by `make download`) rather than a specbench checkpoint."""
+    if not checkpoint:
+        return None
+    cfg = resolve(checkpoint) / "config.json"
+    if not cfg.is_file():
+        return None
+    meta = json.loads(cfg.read_text())
+    return str(resolve(checkpoint)) if "drafter" not in meta and "model_type" in meta else None
 
 
 def check_same_tokenizer(model_path: str, target) -> None:
@@ -103,7 +117,8 @@ class IndependentDrafter(TrainableDrafter):
         self.gamma = gamma
         self.vocab = target.vocab_size  # drafts are made on the target's rows
         self.policy = make_tree(**tree) if tree else None  # None: the chain of gamma tokens (Algorithm 1)
-        if model_path:
+        model_path = model_path or published_draft(checkpoint)
+        if model_path:  # an HF draft model: the checkpoint (our trained small Llama) does not apply
             try:
                 self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=target.dtype).to(target.device)
             except OSError as e:

@@ -32,7 +32,7 @@ def download(model: ModelConfig, root: Path = REPO / "weights") -> list[Path]:
             log.info("%s: already in %s", repo, dest)
         else:
             try:
-                snapshot_download(repo, local_dir=dest, allow_patterns=["*.json", "*.bin", "*.safetensors", "*.pt"])
+                snapshot_download(repo, local_dir=dest, allow_patterns=["*.json", "*.bin", "*.safetensors", "*.pt", "tokenizer.model"])
             except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:
                 raise SpecbenchError(f"{repo} could not be downloaded into {dest} (hub access and, for gated "
                                      f"repositories, `hf auth login`): {str(e).splitlines()[0]}") from None

@@ -121,7 +121,10 @@ class TrainableDrafter(Drafter):
     @classmethod
     def load_module(cls, target, checkpoint: str | None, options: dict | None) -> "torch.nn.Module":
         """The decoding-time module: built from the checkpoint's recorded options and loaded with its weights
-        (refused for another target), or, without a checkpoint, freshly built from `options` (untrained)."""
+        (refused for another target), or, without a checkpoint, freshly built from `options` (untrained); in the
+        target's dtype, as every method's authors cast their drafter to the base model's (EAGLE's and HASS's
+        `ea_layer.to(base_model.dtype)`, Medusa's `medusa_head.to(base_model.dtype)`): a bf16 target drafts in bf16.
+        Training keeps fp32 masters: it builds its module with `build_module`, not here."""
         from pathlib import Path
 
         from specbench.checkpoints import load_checkpoint, read_meta
@@ -139,7 +142,7 @@ class TrainableDrafter(Drafter):
         module = cls.build_module(target, cls.options(cls.decoding_options(options)))
         if checkpoint:
             load_checkpoint(Path(checkpoint), module, target, cls.name)
-        return module.eval().requires_grad_(False)
+        return module.to(target.dtype).eval().requires_grad_(False)
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:

@@ -123,6 +123,20 @@ def weights_digest(checkpoint: str) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+def model_digest(model_path: str) -> str:
+    """An HF draft model's identity: the digest of its config and weight files (a hub id as given: its files are in
+    the hub cache, by revision)."""
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        return hashlib.sha256(model_path.encode()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for f in sorted(path.iterdir()):
+        if f.suffix in (".json", ".safetensors", ".bin") and f.is_file():
+            h.update(f.name.encode())
+            h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
 class Runner:
     """Holds the loaded target for one job; runs the baseline and the drafter over one question set."""
 
@@ -170,7 +184,10 @@ class Runner:
         drafter = with_paper_tree(OmegaConf.to_container(drafter_node, resolve=True), self.paper_tree)
         if self.global_auto is not None and not is_auto(drafter.get("tree")) and own_tree(drafter) is not None:
             drafter["tree"] = self.global_auto  # pld / sd / medusa tuned by tree=auto: a run of its own
-        if drafter.get("checkpoint"):  # the weights, not just their path, identify a run
+        if drafter.get("model_path"):  # an HF draft model (sd): its weights identify the run, a checkpoint does not
+            drafter["checkpoint"] = None
+            drafter["model_sha256"] = model_digest(drafter["model_path"])
+        elif drafter.get("checkpoint"):  # the weights, not just their path, identify a run
             drafter["checkpoint_sha256"] = weights_digest(drafter["checkpoint"])
         dataset = OmegaConf.to_container(self.cfg.dataset, resolve=True)
         decoding = OmegaConf.to_container(self.cfg.decoding, resolve=True)

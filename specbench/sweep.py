@@ -34,7 +34,7 @@ def missing_weights(cfg: DictConfig) -> str | None:
     from specbench.checkpoints import weight_file
 
     ckpt = cfg.drafter.get("checkpoint")
-    if not ckpt or weight_file(ckpt) is not None:
+    if not ckpt or cfg.drafter.get("model_path") or weight_file(ckpt) is not None:  # an HF draft needs no checkpoint
         return None
     trains = Path(ckpt).name  # weights/<model>/<drafter that trains them> (eagle2 decodes eagle's weights)
     head = f"drafter={cfg.drafter.name} on model={cfg.model.name}: no weights at {ckpt} — "

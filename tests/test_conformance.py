@@ -175,3 +175,19 @@ def test_a_target_placed_by_a_device_map_decodes_losslessly(name, tiny_checkpoin
     drafter = make_drafter(name, target)
     for prompt in PROMPTS:
         assert engine_greedy(target, drafter, prompt, 40) == hf_greedy(model, prompt, 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", DRAFTER_CONFIGS)
+def test_every_drafter_decodes_in_the_targets_half_precision(name, dtype):
+    """On a bf16/fp16 target every drafter drafts in the target's dtype (as its authors cast theirs) and decodes;
+    before, trained modules stayed fp32 next to it (Medusa crashed: "mat1 and mat2 must have the same dtype")."""
+    target = target_for()
+    target.model.to(dtype)
+    drafter = make_drafter(name, target)
+    module = next((m for m in vars(drafter).values() if isinstance(m, torch.nn.Module)), None)
+    if module is not None:
+        assert {p.dtype for p in module.parameters()} == {dtype}, name
+    baseline = make_drafter("none", target)
+    for prompt in PROMPTS[:2]:
+        assert engine_greedy(target, drafter, prompt, 40) == engine_greedy(target, baseline, prompt, 40)

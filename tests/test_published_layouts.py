@@ -95,6 +95,7 @@ def test_an_authors_head_loads_and_decodes_losslessly(tmp_path, name, fmt, bias,
     ({"extra": {"layers.0.self_attn.rotary.weight": torch.zeros(2)}}, "unexpected ['layers.0.self_attn.rotary"),
     ({"config": {"hidden_size": 64}}, "EAGLE head for hidden_size=64; the target 't' has 32"),
     ({"extra": {"embed_tokens.weight": torch.zeros(99, 32)}}, "embed_tokens (99, 32) does not match"),
+    ({"config": {"rope_theta": 500000.0}}, "EAGLE head for rope_theta=500000; the target 't' has 10000"),
 ])
 def test_a_head_that_does_not_fit_gets_one_line(tmp_path, kwargs, message):
     target = target_of(DIMS["tiny"])
@@ -217,3 +218,25 @@ def test_a_checkpoint_in_a_layout_the_method_does_not_read_gets_one_line(tmp_pat
     with pytest.raises(SpecbenchError) as e:
         MoADrafter(target, checkpoint=str(tmp_path / "moa"))
     assert "is not a specbench checkpoint (its config.json names no drafter) and 'moa' reads no other layout" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_published_heads_decode_next_to_a_half_precision_target(tmp_path, dtype):
+    """The published Medusa-1 heads (fp16 on the hub) and an EAGLE head are cast to the target's dtype, as their
+    authors cast them; Medusa's stayed fp32 and crashed on a bf16/fp16 target."""
+    from drafters.eagle import EagleDrafter
+    from drafters.medusa import MedusaDrafter
+
+    target = target_of(DIMS["tiny"])
+    target.model.to(dtype)
+    write_authors_medusa(tmp_path / "medusa", 32, 128)
+    write_authors_head(tmp_path / "eagle", DIMS["tiny"], "bin", True)
+    from specbench.drafter import NoDrafter
+    prompt = [5, 17, 33, 17, 33, 9, 2, 40]
+    base = Engine(target, NoDrafter(target), SamplingParams()).generate(prompt, 24).new_tokens
+    for drafter in (MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree="auto"),
+                    EagleDrafter(target, checkpoint=str(tmp_path / "eagle"),
+                                 tree={"kind": "dynamic", "depth": 3, "topk": 3, "total_tokens": 8})):
+        module = drafter.heads if isinstance(drafter, MedusaDrafter) else drafter.head
+        assert {p.dtype for p in module.parameters()} == {dtype}
+        assert Engine(target, drafter, SamplingParams()).generate(prompt, 24).new_tokens == base

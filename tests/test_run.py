@@ -251,3 +251,26 @@ def test_sweep_preflight_names_a_target_that_is_not_there(tmp_path, tiny_checkpo
     assert "pre-flight: 1 missing piece(s)" in res.stderr
     assert f"model 'tiny': no checkpoint at model.path={tmp_path / 'nothing'}" in res.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_an_hf_draft_runs_without_a_specbench_checkpoint(make_cfg, tmp_path, tiny_checkpoint):
+    """`drafter=sd drafter.model_path=<HF model>` runs as it is (the YAML's checkpoint path, with no weights there, is
+    not demanded), and a published HF draft downloaded into the checkpoint's directory (Spec-Bench's vicuna-68m for
+    vicuna-7b, `make download`) is read as the draft model."""
+    import shutil
+
+    from tests.conftest import byte_tokenizer
+    from tests.helpers import tiny_llama
+
+    draft = tmp_path / "draft"
+    tiny_llama(vocab=len(byte_tokenizer()), layers=1, hidden=32, seed=3).save_pretrained(draft)
+    byte_tokenizer().save_pretrained(draft)
+    run = Runner(make_cfg("drafter=sd", f"drafter.model_path={draft}", "dataset.limit=1")).execute()
+    summary = json.loads(run.summary_path.read_text())
+    assert summary["lossless"]["rate"] == 1.0
+    head = json.loads(run.run_json.read_text())["config"]["drafter"]
+    assert head["checkpoint"] is None and len(head["model_sha256"]) == 16
+    published = tmp_path / "weights" / "tiny" / "sd"
+    shutil.copytree(draft, published)
+    run = Runner(make_cfg("drafter=sd", f"drafter.checkpoint={published}", "dataset.limit=1")).execute()
+    assert json.loads(run.summary_path.read_text())["lossless"]["rate"] == 1.0
