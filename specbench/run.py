@@ -148,6 +148,11 @@ class Runner:
         self.bench: BenchConfig = to_dataclass(BenchConfig, cfg.bench)
         if self.decoding.max_new_tokens < 1:
             raise SpecbenchError("decoding.max_new_tokens must be >= 1")
+        if self.decoding.temperature < 0:  # would silently run as greedy
+            raise SpecbenchError(f"decoding.temperature={self.decoding.temperature:g} must be >= 0 (0 = greedy)")
+        if not 0 < self.decoding.top_p <= 1 or self.decoding.top_k < 0:
+            raise SpecbenchError(f"decoding.top_p={self.decoding.top_p:g} must be in (0, 1] and decoding.top_k="
+                                 f"{self.decoding.top_k} >= 0 (0 = off)")
         if self.bench.repeats < 1 or self.bench.warmup < 0:
             raise SpecbenchError("bench.repeats must be >= 1 and bench.warmup >= 0")
         self.questions = load_questions(self.dataset_cfg)
@@ -241,31 +246,41 @@ class Runner:
         baseline_node = OmegaConf.load(CONF_DIR / "drafter" / "none.yaml")
         baseline_dir, _, _ = self.run_dir_for(baseline_node)
         is_baseline = self.cfg.drafter.name == "none"
+        run_dir, _, _ = self.run_dir_for(self.cfg.drafter)
+        drafter = None
+        if not is_baseline and self.todo(run_dir):  # built (its weights and tree checked) before the baseline runs
+            torch.manual_seed(self.cfg.seed)  # untrained modules (a test's) are built from the run's seed
+            drafter = self.make_drafter(self.cfg.drafter)
         if not is_baseline and self.bench.baseline:
             with exclusive(baseline_dir.path):  # parallel jobs sharing the baseline compute it once
                 self.run_one(baseline_node, None)
-        run_dir, _, _ = self.run_dir_for(self.cfg.drafter)
         if is_baseline:  # a sweep's own baseline job: the same lock as the drafter jobs' baseline-first
             with exclusive(run_dir.path):
                 self.run_one(self.cfg.drafter, None)
         else:
-            self.run_one(self.cfg.drafter, baseline_dir if baseline_dir.exists() else None)
+            self.run_one(self.cfg.drafter, baseline_dir if baseline_dir.exists() else None, drafter)
         return run_dir
 
-    def run_one(self, node: DictConfig, baseline: RunDir | None) -> RunDir:
+    def todo(self, run_dir: RunDir) -> list[tuple[int, Question]]:
+        """The (repeat, question) pairs a run has not recorded yet."""
+        done = run_dir.done_keys()
+        return [(r, q) for r in range(self.bench.repeats) for q in self.questions if (r, q.question_id) not in done]
+
+    def run_one(self, node: DictConfig, baseline: RunDir | None, drafter: Drafter | None = None) -> RunDir:
+        """Run (or resume) one run; `drafter`: the drafter already built for it (None: built here if needed)."""
         run_dir, drafter_spec, key = self.run_dir_for(node)
         if run_dir.exists():  # a resume: only of the very same run (a hash collision or a hand-edited run.json is not)
             diff = differences(recorded_key(json.loads(run_dir.run_json.read_text())), key)
             if diff:
                 raise SpecbenchError(f"{run_dir.path} holds a run of another config (differs in {', '.join(diff[:4])}): "
                                      "refusing to resume it; move it away or pick another out.experiment")
-        done = run_dir.done_keys()
-        todo = [(r, q) for r in range(self.bench.repeats) for q in self.questions if (r, q.question_id) not in done]
+        todo = self.todo(run_dir)
         # the drafter is built (its weights loaded and checked) before anything is written: a drafter that cannot
         # load leaves no run directory behind
-        if todo:
+        if todo and drafter is None:
             torch.manual_seed(self.cfg.seed)  # untrained modules (a test's) are built from the run's seed
-        drafter = self.make_drafter(node) if todo else None
+            drafter = self.make_drafter(node)
+        drafter = drafter if todo else None
         if not run_dir.exists():
             atomic_write_json(run_dir.run_json, {
                 "run": run_dir.path.name,

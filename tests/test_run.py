@@ -274,3 +274,22 @@ def test_an_hf_draft_runs_without_a_specbench_checkpoint(make_cfg, tmp_path, tin
     shutil.copytree(draft, published)
     run = Runner(make_cfg("drafter=sd", f"drafter.checkpoint={published}", "dataset.limit=1")).execute()
     assert json.loads(run.summary_path.read_text())["lossless"]["rate"] == 1.0
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("decoding.temperature=-1", "decoding.temperature=-1 must be >= 0"),
+    ("decoding.top_p=0", "decoding.top_p=0 must be in"),
+    ("decoding.top_k=-2", "decoding.top_k=-2 >= 0"),
+])
+def test_bad_decoding_parameters_are_refused_before_anything_runs(make_cfg, tmp_path, override, message):
+    """temperature=-1 ran as greedy without a word."""
+    with pytest.raises(SpecbenchError, match=message):
+        Runner(make_cfg("drafter=pld", override)).execute()
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_bad_tree_is_refused_before_the_baseline_runs(make_cfg, tmp_path):
+    """tree.depth=0 was refused only after the baseline had decoded every question."""
+    with pytest.raises(SpecbenchError, match="depth, topk and total_tokens >= 1"):
+        Runner(make_cfg("drafter=eagle2", "drafter.checkpoint=null", "tree.depth=0")).execute()
+    assert not list((tmp_path / "results").glob("*/*/records.jsonl"))
