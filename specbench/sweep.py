@@ -1,8 +1,8 @@
 """A sweep that checks before it decodes and survives a failed job (Hydra callbacks, conf/config.yaml).
 
 - `on_multirun_start`: the pre-flight. Every job of the sweep is composed as the sweeper will compose it; its target
-  must be there (checked without loading weights) and every drafter with a `checkpoint` must find its weights for
-  that model; all the missing pieces are listed at once, each with the command that makes or downloads it, and
+  must be there (checked without loading weights), its question set readable (`make data` fetches the files no
+  package ships), and every drafter with a `checkpoint` must find its weights for that model; all the missing pieces are listed at once, each with the command that makes or downloads it, and
   nothing is decoded.
 - a job that fails (specbench.run records it in the sweep directory, `failed/<job>.json`) does not end the sweep;
 - `on_multirun_end`: the sweep exits non-zero naming every failed job.
@@ -45,6 +45,19 @@ def missing_weights(cfg: DictConfig) -> str | None:
             f"specbench.train drafter={trains} model={cfg.model.name})")
 
 
+def missing_questions(cfg: DictConfig) -> str | None:
+    """The job's question set, if it cannot be read (a user's clone has no ../shared/data: `make data` fetches it)."""
+    from specbench.config import DatasetConfig, to_dataclass
+    from specbench.data import load_questions
+    from specbench.errors import SpecbenchError
+
+    try:
+        load_questions(to_dataclass(DatasetConfig, cfg.dataset))
+    except SpecbenchError as e:
+        return f"dataset={cfg.dataset.name}: {e}"
+    return None
+
+
 def failures_dir(sweep_dir: str | Path) -> Path:
     return Path(sweep_dir) / "failed"
 
@@ -66,9 +79,10 @@ class SweepChecks(Callback):
         blocked: set[str] = set()
         for job in job_overrides(config):
             cfg = compose(config_name=config_name or "config", overrides=job)
-            found = [p for p in (unavailable(to_dataclass(ModelConfig, cfg.model)), missing_weights(cfg)) if p]
-            (blocked.add if found else ready.append)(cfg.drafter.name)
-            problems += [p for p in found if p not in problems]
+            target, weights = unavailable(to_dataclass(ModelConfig, cfg.model)), missing_weights(cfg)
+            (blocked.add if target or weights else ready.append)(cfg.drafter.name)  # (a missing set blocks no drafter)
+            found = [target, weights, missing_questions(cfg)]
+            problems += [p for p in found if p and p not in problems]
         if problems:
             print(f"error: pre-flight: {len(problems)} missing piece(s) for this sweep; nothing was decoded:",
                   file=sys.stderr)
