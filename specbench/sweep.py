@@ -38,6 +38,8 @@ def missing_weights(cfg: DictConfig) -> str | None:
         return None
     trains = Path(ckpt).name  # weights/<model>/<drafter that trains them> (eagle2 decodes eagle's weights)
     head = f"drafter={cfg.drafter.name} on model={cfg.model.name}: no weights at {ckpt} — "
+    if Path(ckpt).parent != Path("weights") / cfg.model.name:  # a path of the user's own: `make train` writes elsewhere
+        return head + "no checkpoint is at that path (check drafter.checkpoint)"
     published = (cfg.model.get("published") or {}).get(trains)
     if published and Path(ckpt) == Path("weights") / cfg.model.name / trains:
         return head + f"download the authors' ({published}) with `make download MODEL={cfg.model.name}`"

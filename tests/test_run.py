@@ -293,3 +293,32 @@ def test_a_bad_tree_is_refused_before_the_baseline_runs(make_cfg, tmp_path):
     with pytest.raises(SpecbenchError, match="depth, topk and total_tokens >= 1"):
         Runner(make_cfg("drafter=eagle2", "drafter.checkpoint=null", "tree.depth=0")).execute()
     assert not list((tmp_path / "results").glob("*/*/records.jsonl"))
+
+
+@pytest.mark.parametrize("drafter", ["pld", "eagle2"])
+def test_the_context_cuts_a_turn_and_every_method_stops_at_the_same_token(make_cfg, tmp_path, drafter):
+    """Vicuna-7B v1.3 has 2,048 positions: with 1,024 new tokens whole CNN-DM jobs were refused and MT-Bench's second
+    turn failed mid-run. Here (1,024 positions): turn 1 is cut by the context, turn 2's prompt fills it; both are
+    recorded as stopped by the context, counted in the summary, and the drafter equals the baseline token for token
+    (its trees near the end are not verified: they would reach past the last position)."""
+    q = tmp_path / "long.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "turns": ["word " * 180, "and again " * 20]}) + "\n")
+    extra = ["drafter.checkpoint=null"] if drafter == "eagle2" else []
+    run = Runner(make_cfg(f"drafter={drafter}", f"dataset.path={q}", "decoding.max_new_tokens=200", *extra)).execute()
+    recs = sorted(read_jsonl(run.records_path), key=lambda r: r["turn"])
+    assert [r["stopped_by"] for r in recs] == ["context", "context"]
+    assert recs[0]["prompt_tokens"] + recs[0]["new_tokens"] == 1024 and 0 < recs[0]["new_tokens"] < 200
+    assert recs[1]["new_tokens"] == 0 and recs[1]["tokens_per_s"] is None
+    summary = json.loads(run.summary_path.read_text())
+    assert summary["stopped_by_context"] == 2 and summary["lossless"]["rate"] == 1.0
+    base = json.loads((run.path.parent / summary["baseline_run"] / "summary.json").read_text())
+    assert base["stopped_by_context"] == 2
+
+
+def test_a_checkpoint_path_of_ones_own_that_is_empty_is_named_as_such(make_cfg, tmp_path):
+    """A typo'd drafter.checkpoint suggested `make train ... TRAIN_DRAFTERS=<the path's last part>`."""
+    from specbench.sweep import missing_weights
+
+    line = missing_weights(make_cfg("drafter=eagle2", f"drafter.checkpoint={tmp_path / 'my-eagel'}"))
+    assert line.endswith("no checkpoint is at that path (check drafter.checkpoint)") and "make train" not in line
+    assert "make train MODEL=tiny TRAIN_DRAFTERS=eagle" in missing_weights(make_cfg("drafter=eagle2"))
