@@ -20,7 +20,7 @@ from specbench.drafter import HIDDEN, KV, Drafter
 from specbench.sampling import logits_to_probs, sample
 from specbench.target import TargetModel, cache_kv, compact_cache
 from specbench.tree import ancestor_matrix, is_chain, node_depths
-from specbench.types import SamplingParams, TargetState, VerifyResult
+from specbench.types import DraftTree, SamplingParams, TargetState, VerifyResult
 from specbench.verify import greedy_accept, rejection_accept
 
 
@@ -56,7 +56,7 @@ class Generation:
     #                                                         below an accepted path of length d-1
     depth_accepts: list[int] = field(default_factory=list)  # [d-1]: steps that accepted a node at depth d
     recovered: int = 0  # steps that ended with a recovered (not bonus) token
-    stopped_by: str = "max_new_tokens"  # or "eos"
+    stopped_by: str = "max_new_tokens"  # or "eos", or "context" (set by the caller whose budget the context cut)
     chain: bool = True  # every drafted tree was a chain (Leviathan's formula applies)
     trace: list[StepTrace] = field(default_factory=list)  # per step, only with Engine(trace=True)
 
@@ -102,7 +102,11 @@ class Engine:
         return int(sample(logits_to_probs(logits, self.sampling), generator).item())
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None) -> Generation:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
+                 context: int | None = None) -> Generation:
+        """context: the target's positions; a drafted tree that would reach past them is not verified (the step
+        decodes one token, as the baseline does: lossless, and the drafter rolls its tree back as if every node were
+        rejected). With max_new_tokens <= context - prompt, every method then stops at the same token."""
         target, drafter, dev = self.target, self.drafter, self.target.device
         eos = target.eos_token_ids
         prompt = torch.tensor([prompt_ids], device=dev)  # [1, L]
@@ -126,10 +130,13 @@ class Engine:
             sync(dev)
             tv = time.perf_counter()
             gen.draft_s += tv - td
+            prefix = cache.get_seq_length()
+            proposed = tree.num_nodes
+            if context is not None and prefix + 1 + proposed > context:  # root + nodes past the last position
+                tree = DraftTree.empty(device=dev)  # (the node count bounds the depth: no host read needed)
             n = tree.num_nodes
             node_tok, node_par = tree.tokens[0], tree.parents[0]  # [N], [N] on the device
             anc = ancestor_matrix(node_par)  # [N+1, N+1]
-            prefix = cache.get_seq_length()
             fwd = target.verify(tokens[:, -1:], tree.tokens, anc, cache, causal=tree.is_chain)
             logits = fwd.logits[0]  # [N+1, V]
             if self.sampling.greedy:
@@ -178,7 +185,7 @@ class Engine:
                 accepted_tokens=[node_tokens[i] for i in path],
                 next_token=next_token,
                 recovered=bool(recovered),
-                num_nodes=n,
+                num_nodes=proposed,  # a dropped tree: every proposed node rejected, from the drafter's side
                 emitted=emitted,
                 hidden=state.hidden,
             )

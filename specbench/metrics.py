@@ -120,6 +120,9 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         "mean_tree_size": drafted / steps if steps else None,
         "peak_mem_bytes": max((r["peak_mem_bytes"] or 0 for r in records), default=None),
     }
+    cut = sum(r.get("stopped_by") == "context" for r in records)
+    if cut:  # turns whose budget the target's context cut short (absent when none: older summaries stay as they are)
+        out["stopped_by_context"] = cut
     compared = [r for r in records if r.get("matches_baseline") is not None]
     out["lossless"] = {
         "compared": len(compared),

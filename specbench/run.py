@@ -171,19 +171,24 @@ class Runner:
         for i in range(turn):
             messages += [{"role": "user", "content": q.turns[i]}, {"role": "assistant", "content": answers[i]}]
         messages.append({"role": "user", "content": q.turns[turn]})
-        ids = chat_prompt_ids(self.target.tokenizer, messages, self.model_cfg.system_prompt)
+        return chat_prompt_ids(self.target.tokenizer, messages, self.model_cfg.system_prompt)
+
+    def budget(self, prompt_tokens: int) -> int:
+        """New tokens this turn may have: max_new_tokens, or fewer where the context ends first (Vicuna-7B v1.3 has
+        2,048 positions; the authors' scripts stop there too). The same for the baseline and every drafter (the engine
+        does not verify a tree that would reach past the context), so their outputs stay comparable token for token."""
         limit = self.target.max_positions
-        if limit and len(ids) + self.decoding.max_new_tokens > limit:
-            raise SpecbenchError(
-                f"question {q.question_id} turn {turn + 1}: prompt of {len(ids)} tokens + max_new_tokens "
-                f"{self.decoding.max_new_tokens} exceeds the context of {self.model_cfg.name} ({limit} tokens)"
-            )
-        return ids
+        room = limit - prompt_tokens if limit else self.decoding.max_new_tokens
+        return max(0, min(self.decoding.max_new_tokens, room))
 
     def _check_prompts(self) -> None:
-        """Fail before anything is written when a first turn cannot fit."""
+        """Fail before anything is written when a first turn leaves no room for one new token (later turns that do
+        not fit are recorded as stopped by the context)."""
         for q in self.questions:
-            self.prompt_ids(q, 0, [])
+            ids = self.prompt_ids(q, 0, [])
+            if self.budget(len(ids)) < 1:
+                raise SpecbenchError(f"question {q.question_id} turn 1: prompt of {len(ids)} tokens exceeds the "
+                                     f"context of {self.model_cfg.name} ({self.target.max_positions} tokens)")
 
     def run_dir_for(self, drafter_node: DictConfig) -> tuple[RunDir, dict, dict]:
         drafter = with_paper_tree(OmegaConf.to_container(drafter_node, resolve=True), self.paper_tree)
@@ -313,9 +318,11 @@ class Runner:
         dev = self.target.device
         mem = PeakMemory(dev)
         tok = self.target.tokenizer
+        context = self.target.max_positions
         for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches
-            engine.generate(self.prompt_ids(todo[0][1], 0, []), min(self.decoding.max_new_tokens, 32),
-                            torch.Generator(dev).manual_seed(self.cfg.seed))
+            ids = self.prompt_ids(todo[0][1], 0, [])
+            engine.generate(ids, min(self.budget(len(ids)), 32), torch.Generator(dev).manual_seed(self.cfg.seed),
+                            context)
         total = sum(len(q.turns) for _, q in todo)
         with tqdm(total=total, desc=f"{label} {self.dataset_cfg.name}", unit="turn", dynamic_ncols=True) as bar:
             for repeat, q in todo:
@@ -325,7 +332,13 @@ class Runner:
                     ids = self.prompt_ids(q, turn, answers)
                     gen_rng = torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, repeat, q.question_id, turn))
                     mem.reset()
-                    g = engine.generate(ids, self.decoding.max_new_tokens, gen_rng)
+                    budget = self.budget(len(ids))
+                    if budget > 0:
+                        g = engine.generate(ids, budget, gen_rng, context)
+                    else:  # the conversation so far fills the context: nothing to decode
+                        g = Generation(new_tokens=[], prompt_tokens=len(ids), wall_s=0.0, prefill_s=0.0)
+                    if budget < self.decoding.max_new_tokens and g.stopped_by == "max_new_tokens":
+                        g.stopped_by = "context"
                     ref = reference.get((q.question_id, turn))
                     rows.append(self._record(q, turn, repeat, g, mem.read(), ref))
                     if rows[-1]["first_divergence"] is not None:  # near-tie or mismatch (specbench/divergence.py)
@@ -335,7 +348,7 @@ class Runner:
                                 self.target, ids, ref[:j], g.new_tokens[j], ref[j])}
                     answers.append(tok.decode(g.new_tokens, skip_special_tokens=True).strip())
                     bar.update(1)
-                    bar.set_postfix(tok_s=f"{rows[-1]['tokens_per_s']:.1f}", tau=f"{g.tau:.2f}")
+                    bar.set_postfix(tok_s=f"{rows[-1]['tokens_per_s'] or 0:.1f}", tau=f"{g.tau:.2f}")
                 run_dir.append(rows)  # all turns of a question at once: resume never sees half a conversation
 
     @staticmethod
@@ -343,7 +356,8 @@ class Runner:
         return {
             "question_id": q.question_id, "category": q.category, "turn": turn, "repeat": repeat,
             "prompt_tokens": g.prompt_tokens, "new_tokens": len(g.new_tokens), "new_token_ids": g.new_tokens,
-            "wall_s": g.wall_s, "prefill_s": g.prefill_s, "tokens_per_s": len(g.new_tokens) / g.wall_s,
+            "wall_s": g.wall_s, "prefill_s": g.prefill_s,
+            "tokens_per_s": len(g.new_tokens) / g.wall_s if g.wall_s > 0 else None,
             "steps": g.steps, "tau": g.tau if g.steps else None, "tokens_per_step": g.tokens_per_step,
             "tree_sizes": g.tree_sizes, "depth_trials": g.depth_trials, "depth_accepts": g.depth_accepts,
             "recovered": g.recovered, "chain": g.chain, "draft_s": g.draft_s, "verify_s": g.verify_s,

@@ -191,3 +191,16 @@ def test_every_drafter_decodes_in_the_targets_half_precision(name, dtype):
     baseline = make_drafter("none", target)
     for prompt in PROMPTS[:2]:
         assert engine_greedy(target, drafter, prompt, 40) == engine_greedy(target, baseline, prompt, 40)
+
+
+@pytest.mark.parametrize("name", ["random-tree", "eagle2", "sd"])
+def test_trees_past_the_context_are_not_verified(name):
+    """A tree whose nodes would sit past the target's last position is dropped: that step decodes one token (lossless),
+    the drafter rolls its nodes back, and the output is the target's up to the context."""
+    target = target_for()
+    drafter = RandomTreeDrafter(target.vocab_size, seed=1) if name == "random-tree" else make_drafter(name, target)
+    prompt = PROMPTS[1]
+    context = len(prompt) + 100  # eagle2's trees have 60 nodes
+    gen = Engine(target, drafter, SamplingParams()).generate(prompt, 100, None, context)
+    assert gen.new_tokens == hf_greedy(target.model, prompt, 100)
+    assert gen.tree_sizes[-1] == 0 and max(gen.tree_sizes) > 0  # the last steps verified no tree
