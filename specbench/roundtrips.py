@@ -8,6 +8,8 @@ Counted, through a TorchFunctionMode (nothing in the project is patched):
 - device -> host reads: `.item()`, `.tolist()`, `.numpy()`, `.cpu()`, `.to("cpu")` (a device tensor, or the CPU
   named), and `bool()` / `int()` /
   `float()` / `__index__` of a tensor (an `if` on a tensor, a tensor used as a Python index);
+- indexing (or assigning) with a 0-dim integer tensor: ATen reads it as a Python scalar (`.item()` inside, invisible
+  to a count of `.item()` calls);
 - ops whose output shape depends on the data, which the host must read before it can go on: `nonzero`, `unique`,
   `masked_select`, indexing with a boolean tensor, single-argument `torch.where`, `repeat_interleave` with tensor
   repeats and no `output_size`;
@@ -44,11 +46,15 @@ def _kind(name: str, args: tuple, kwargs: dict) -> str | None:
         if _is_cpu(dest) and (isinstance(dest, str) or (src is not None and src.type != "cpu")):
             return "to(cpu)"
         return None
-    if name == "__getitem__":
+    if name in ("__getitem__", "__setitem__"):
         index = args[1] if len(args) > 1 else None
         parts = index if isinstance(index, tuple) else (index,)
         if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts):
             return "bool-index"
+        # a 0-dim integer tensor as an index is a Python scalar to ATen: it calls .item() on it (a device read on a
+        # GPU) before it can index; gather / index_select take it on the device
+        if any(isinstance(i, torch.Tensor) and i.dim() == 0 and not i.is_floating_point() for i in parts):
+            return "scalar-index"
         return None
     if name == "where" and len(args) + len(kwargs) == 1:
         return "where(cond)"

@@ -32,6 +32,11 @@ class Acceptance:
     recovered: torch.Tensor  # [] bool: a child of the last accepted node was rejected
 
 
+def row(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """x[i] for a 0-dim index tensor, on the device: indexing with it would read it on the host (ATen's .item())."""
+    return x.index_select(0, i.reshape(1)).squeeze(0)
+
+
 def _deepest_good_path(good: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor):
     """good [N] bool, parents [N], anc [N+1, N+1] -> (path [N], length [], last node [] (-1 = root), recovered [])."""
     n = good.shape[0]
@@ -44,7 +49,8 @@ def _deepest_good_path(good: torch.Tensor, parents: torch.Tensor, anc: torch.Ten
     length = depth.max()
     last = torch.where(length > 0, depth.argmax(), -1)  # argmax: the first of the deepest
     idx = torch.arange(n, device=parents.device)
-    path = torch.where(anc_nodes[last] & (length > 0), idx, n).sort().values  # ancestors come first (topological)
+    on_last = row(anc_nodes, last.clamp(min=0))  # [N] (no root row: masked by length > 0 below)
+    path = torch.where(on_last & (length > 0), idx, n).sort().values  # ancestors come first (topological)
     path = torch.where(path < n, path, -1)
     recovered = (parents == last).any()  # the walk stopped below a node that had children: all were rejected
     return path, length, last, recovered
@@ -56,7 +62,7 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, anc: torch.Tensor
     (0 = root, i+1 = node i). The deepest fully-matching path (the first of equals), then the argmax below it."""
     good = tokens == target_argmax[parents + 1]  # [N] the node is the target's choice at its parent
     path, length, last, recovered = _deepest_good_path(good, parents, anc)
-    return Acceptance(path, length, target_argmax[last + 1], recovered)
+    return Acceptance(path, length, row(target_argmax, last + 1), recovered)
 
 
 def _earlier_siblings(parents: torch.Tensor) -> torch.Tensor:
@@ -87,12 +93,12 @@ def _walk_sampled(tokens, parents, p, q, u):
     good = torch.zeros_like(tokens, dtype=torch.bool)
     for i in range(tokens.shape[0]):
         here = parents[i] == cur  # the walk tries node i now
-        x = tokens[i]
-        qx, px = q[i, x], p_row[x]
+        x = tokens[i : i + 1]  # [1]: gathered, not used as a Python scalar index
+        qx, px = q[i].gather(0, x)[0], p_row.gather(0, x)[0]
         take = here & (u[i] < torch.where(qx > 0, torch.clamp(px / qx.clamp(min=1e-30), max=1.0), 1.0))
         residual = torch.clamp(p_row - q[i], min=0.0)
         total = residual.sum()
-        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p[cur + 1])  # round-off: p itself
+        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), row(p, cur + 1))  # round-off: p itself
         p_row = torch.where(take, p[i + 1], torch.where(here, residual, p_row))
         cur = torch.where(take, i, cur)
         good[i] = take
@@ -114,7 +120,7 @@ def rejection_accept(
         accept = u < _accept_probs_deterministic(tokens, parents, p)
         good = accept & ~(_earlier_siblings(parents) & accept[None, :]).any(-1)  # its parent's first accepted child
         path, length, last, recovered = _deepest_good_path(good, parents, anc)
-        p_row = p[last + 1]
+        p_row = row(p, last + 1)
         kill = torch.zeros(p.shape[-1] + 1, dtype=torch.bool, device=p.device)
         kill[torch.where(parents == last, tokens, p.shape[-1])] = True  # the rejected children's tokens (none: leaf)
         residual = p_row.masked_fill(kill[:-1], 0.0)

@@ -52,8 +52,13 @@ def test_the_counter_sees_what_stalls_a_gpu():
         torch.arange(3)  # built on the device: not counted
         x.to(x.device)  # the same device: not counted
         torch.tensor([])  # nothing to copy
-    assert rt.counts == {"item": 1, "tolist": 1, "__bool__": 1, "nonzero": 1, "bool-index": 1, "tensor": 1,
-                         "to(cpu)": 1}
+        i = torch.tensor(2)  # (a copy itself)
+        x[i]  # a 0-dim index: ATen's .item() on it, which no .item() count sees
+        x[(i,)]
+        x[i] = 0.0
+        x.index_select(0, i.view(1))  # on the device: not counted
+    assert rt.counts == {"item": 1, "tolist": 1, "__bool__": 1, "nonzero": 1, "bool-index": 1, "tensor": 2,
+                         "to(cpu)": 1, "scalar-index": 3}
 
 
 def test_drafters_propose_the_recorded_trees():
