@@ -2,21 +2,26 @@
 
 In bf16 (or fp16) a tree verification and one-token decoding round differently, so where the target's two best tokens
 are almost level a lossless drafter can emit the other one and the text diverges from there with no bug anywhere.
-At the first divergence of a turn the target is run once more over the prompt and the common prefix; the top-2 logit
-margin at that position says which it was:
+At the first divergence of a T=0 turn (position j) the diverging step is replayed on both paths, each as its own run
+computed it:
 
-- near-tie: the two runs' tokens are the target's two best there, and their margin is within NEAR_TIE_ULPS units in
-  the last place of the top logit in the target's dtype (a few roundings of a long reduction);
-- mismatch: anything else (a token outside the top two, or a clear margin): a bug until shown otherwise.
+- the baseline's path: one-token decoding (the engine with no drafter) over the prompt, up to token j;
+- the drafter's path: the drafter's own engine over the prompt, up to token j; the logits row captured is the tree
+  row that chose token j (the row of the node below which it was accepted, or drawn as the bonus).
 
-The lossless count itself stays strict (token for token); fp32 is the strict check CI runs, where a near-tie needs
-margins of ~1e-5 logits.
+It is a **near-tie** only when each path reproduces its own run's token (the baseline's row argmax is the baseline's
+token, the tree row's argmax is the drafter's) and on both rows those two tokens are the two best: the same function,
+computed two ways, puts a different one of two nearly level tokens first. Anything else is a **mismatch**, a bug
+until shown otherwise: a token outside the top two, or a path that does not reproduce its run (a verification that
+emits the runner-up of its own row, say, is caught here: its tree row replays to the other token). Each path's top-2
+margin is recorded. The old rule (one fresh forward and a margin of 8·|l1|·eps(dtype), a 3-7x probability ratio in
+bf16) would have filed such a swap as a near-tie.
+
+The lossless count itself stays strict (token for token); fp32 is the strict check CI runs.
 """
 from __future__ import annotations
 
 import torch
-
-NEAR_TIE_ULPS = 8
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -28,12 +33,22 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def classify(target, prompt_ids: list[int], common: list[int], ours: int, theirs: int) -> dict:
-    """prompt + the tokens both runs emitted before the divergence -> {margin, top2, tolerance, kind}."""
-    ids = torch.tensor([prompt_ids + common], device=target.device)
-    logits = target.forward(ids, target.new_cache(), logits_rows=slice(-1, None)).logits[0, -1]  # [V]
-    top = logits.topk(2)
+def _path(logits: torch.Tensor, own: int, other: int) -> dict:
+    top = logits.float().topk(2)
     (l1, l2), (t1, t2) = top.values.tolist(), top.indices.tolist()
-    tol = NEAR_TIE_ULPS * abs(l1) * torch.finfo(target.dtype).eps
-    kind = "near_tie" if {ours, theirs} == {t1, t2} and l1 - l2 <= tol else "mismatch"
-    return {"margin": l1 - l2, "top2": [t1, t2], "tolerance": tol, "kind": kind}
+    return {"token": t1, "top2": [t1, t2], "margin": l1 - l2, "reproduces": t1 == own, "own_minus_other":
+            float(logits[own] - logits[other])}
+
+
+def classify(baseline_engine, drafter_engine, prompt_ids: list[int], position: int, ours: int, theirs: int,
+             context: int | None = None) -> dict:
+    """Replay token `position` of a T=0 turn on the baseline's path (it emitted `theirs`) and on the drafter's (it
+    emitted `ours`) -> {kind, baseline: {...}, drafter: {...}} with each path's token, top-2 and margin."""
+    rows = {}
+    for name, engine in (("baseline", baseline_engine), ("drafter", drafter_engine)):
+        gen = engine.generate(prompt_ids, position + 1, None, context, capture_at=position)
+        rows[name] = gen.captured
+    base = _path(rows["baseline"], theirs, ours)
+    draft = _path(rows["drafter"], ours, theirs)
+    tie = base["reproduces"] and draft["reproduces"] and {ours, theirs} == set(base["top2"]) == set(draft["top2"])
+    return {"kind": "near_tie" if tie else "mismatch", "baseline": base, "drafter": draft}

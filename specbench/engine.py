@@ -59,6 +59,9 @@ class Generation:
     stopped_by: str = "max_new_tokens"  # or "eos", or "context" (set by the caller whose budget the context cut)
     chain: bool = True  # every drafted tree was a chain (Leviathan's formula applies)
     trace: list[StepTrace] = field(default_factory=list)  # per step, only with Engine(trace=True)
+    # generate(capture_at=k): the logits row that chose new token k [V] (the prefill's last row, or the tree row of
+    # the node below which it was accepted or drawn); None otherwise (specbench/divergence.py replays with it)
+    captured: torch.Tensor | None = None
 
     @property
     def tau(self) -> float:
@@ -103,7 +106,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
-                 context: int | None = None) -> Generation:
+                 context: int | None = None, capture_at: int | None = None) -> Generation:
         """context: the target's positions; a drafted tree that would reach past them is not verified (the step
         decodes one token, as the baseline does: lossless, and the drafter rolls its tree back as if every node were
         rejected). With max_new_tokens <= context - prompt, every method then stops at the same token."""
@@ -121,6 +124,8 @@ class Engine:
         drafter.prefill(state)
         sync(dev)
         gen = Generation(new_tokens=out, prompt_tokens=len(prompt_ids), wall_s=0.0, prefill_s=time.perf_counter() - t0)
+        if capture_at == 0:
+            gen.captured = fwd.logits[0, -1].clone()
         done = first in eos or max_new_tokens <= 1
         if first in eos:
             gen.stopped_by = "eos"
@@ -164,6 +169,10 @@ class Engine:
                 if len(out) + len(emitted) >= max_new_tokens:
                     done = True
                     break
+            if capture_at is not None and len(out) <= capture_at < len(out) + len(emitted):
+                # emitted token t was chosen at the row of its parent: the root (row 0), then accepted node path[t-1]
+                choosers = [0] + [i + 1 for i in path]
+                gen.captured = logits[choosers[capture_at - len(out)]].clone()
             out.extend(emitted)
             gen.steps += 1
             gen.tokens_per_step.append(len(emitted))

@@ -17,7 +17,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from specbench.drafter import Drafter
+from specbench.drafter import Drafter, NoDrafter
 from specbench import divergence, envinfo, failures
 from specbench.cli import CONF_DIR, cli, config_hash, fail
 from specbench.divergence import first_divergence
@@ -344,8 +344,9 @@ class Runner:
                     if rows[-1]["first_divergence"] is not None:  # near-tie or mismatch (specbench/divergence.py)
                         j = rows[-1]["first_divergence"]
                         if j < min(len(ref), len(g.new_tokens)):  # not one output a prefix of the other
+                            replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
                             rows[-1]["divergence"] = {"position": j, **divergence.classify(
-                                self.target, ids, ref[:j], g.new_tokens[j], ref[j])}
+                                replay, engine, ids, j, g.new_tokens[j], ref[j], context)}
                     answers.append(tok.decode(g.new_tokens, skip_special_tokens=True).strip())
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{rows[-1]['tokens_per_s'] or 0:.1f}", tau=f"{g.tau:.2f}")
