@@ -18,7 +18,7 @@ TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/to
 # the trainable drafters, from their own YAMLs (specbench/trainable.py); expanded when `make train` runs, after setup
 TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
-.PHONY: setup data test test-fast bench perf perf-drafters peer train trainmem trainspeed figures download
+.PHONY: setup data rehearse test test-fast bench perf perf-drafters peer train trainmem trainspeed figures download
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,6 +50,12 @@ data: setup
 bench: setup data
 	st=0; $(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=$(EXPERIMENT) +preset=$(PRESET) out.root=$(RESULTS) $(ARGS) || st=$$?; \
 	$(BIN)/python -m specbench.report --results $(RESULTS) && exit $$st
+
+# Day one on a GPU box, rehearsed here: tiny replicas of every target and published drafter under their real hub ids in
+# a private HF cache (offline), then make download / make bench PRESET=paper / the tables for each model in fp32, bf16
+# and fp16, checked (specbench/rehearse.py). ARGS='--models vicuna-7b --dtypes bfloat16 --limit 1' narrows it.
+rehearse: setup
+	$(BIN)/python -m specbench.rehearse $(ARGS)
 
 # Every table and figure from results/ alone (specbench/report.py).
 figures: setup

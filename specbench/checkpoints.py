@@ -4,6 +4,7 @@ target loaded in another dtype is the same target (specbench/identity.py)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -47,6 +48,12 @@ def save_checkpoint(path: Path, module: torch.nn.Module, target, meta: dict[str,
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def weights_root() -> Path:
+    """Where drafter weights live: weights/ (relative: the working directory, then the repository), or
+    $SPECBENCH_WEIGHTS (the drafter configs read it too; the day-one rehearsal points it at its replicas)."""
+    return Path(os.environ.get("SPECBENCH_WEIGHTS", "weights"))
 
 
 def resolve(path: str | Path) -> Path:

