@@ -78,7 +78,13 @@ class CrossAttentionBlock(nn.Module):
 def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
                  allowed: torch.Tensor):
     """One frozen target decoder layer (Llama family) on new rows x [B, Q, H] at pos [B, Q], over cached K/V
-    [B, nkv, P, dh] and the rows' own; allowed [B, 1, Q, P+Q] bool -> (out [B, Q, H], K, V of the rows)."""
+    [B, nkv, P, dh] and the rows' own; allowed [B, 1, Q, P+Q] bool -> (out [B, Q, H], K, V of the rows), on x's
+    device. Under a device map the layer may sit on another GPU: it computes there (its inputs go to it)."""
+    home, there = x.device, layer.self_attn.q_proj.weight.device
+    if there != home:
+        go = lambda t: t.to(there)  # noqa: E731
+        out, k, v = target_layer(layer, rotary, go(x), go(pos), go(past_k), go(past_v), go(allowed))
+        return out.to(home), k.to(home), v.to(home)
     attn = layer.self_attn
     b, n, _ = x.shape
     dh = attn.head_dim

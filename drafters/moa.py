@@ -202,7 +202,7 @@ class MoADrafter(TrainableDrafter):
             d.prefill(None)
             cache = target.new_cache()
             target.forward(input_ids[None, :t], cache, logits_rows=slice(0, 0))
-            state = TargetState(tokens=input_ids[None, : t + 1], hidden=None, kv=cache_kv(cache))
+            state = TargetState(tokens=input_ids[None, : t + 1], hidden=None, kv=cache_kv(cache, target.device))
             row, toks = [], input_ids[None, : t + 1]
             for _ in range(depth):  # a chain: the next row sees the same activations and the drafted tokens before it
                 nxt = d._root_logits(toks, state).argmax(-1).view(1, 1)

@@ -24,10 +24,12 @@ from specbench.types import DraftTree, SamplingParams, TargetState, VerifyResult
 from specbench.verify import greedy_accept, rejection_accept
 
 
-def sync(device: torch.device) -> None:
-    """Wait for queued device work, so that the clock measures it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def sync(device: torch.device | tuple[torch.device, ...]) -> None:
+    """Wait for queued device work, so that the clock measures it: on every device a target spread over several
+    (model.device_map) computes on, not only the engine's."""
+    for d in device if isinstance(device, tuple) else (device,):
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
 
 
 @dataclass
@@ -94,7 +96,7 @@ class Engine:
         return TargetState(
             tokens=tokens,
             hidden=hidden if HIDDEN in needs else None,
-            kv=cache_kv(cache) if KV in needs else None,
+            kv=cache_kv(cache, self.target.device) if KV in needs else None,
             sampling=self.sampling,
             generator=generator,
         )
@@ -111,9 +113,10 @@ class Engine:
         decodes one token, as the baseline does: lossless, and the drafter rolls its tree back as if every node were
         rejected). With max_new_tokens <= context - prompt, every method then stops at the same token."""
         target, drafter, dev = self.target, self.drafter, self.target.device
+        devs = target.devices  # every device the target computes on
         eos = target.eos_token_ids
         prompt = torch.tensor([prompt_ids], device=dev)  # [1, L]
-        sync(dev)
+        sync(devs)
         t0 = time.perf_counter()
         cache = target.new_cache()
         fwd = target.prefill(prompt, cache)
@@ -122,7 +125,7 @@ class Engine:
         out = [first]
         state = self._state(tokens, fwd.hidden, cache, generator)
         drafter.prefill(state)
-        sync(dev)
+        sync(devs)
         gen = Generation(new_tokens=out, prompt_tokens=len(prompt_ids), wall_s=0.0, prefill_s=time.perf_counter() - t0)
         if capture_at == 0:
             gen.captured = fwd.logits[0, -1].clone()
@@ -132,7 +135,7 @@ class Engine:
         while not done:
             td = time.perf_counter()
             tree = drafter.propose(state)
-            sync(dev)
+            sync(devs)
             tv = time.perf_counter()
             gen.draft_s += tv - td
             prefix = cache.get_seq_length()
@@ -157,7 +160,7 @@ class Engine:
             path = host[2 * n : 2 * n + length]
             keep = acc.path[:length]  # [A] on the device
             compact_cache(cache, prefix, keep, contiguous=path == list(range(length)))
-            sync(dev)
+            sync(devs)
             gen.verify_s += time.perf_counter() - tv
             # emit the accepted tokens and the bonus/recovered one, stopping at EOS or the token budget
             emitted: list[int] = []
@@ -199,6 +202,6 @@ class Engine:
                 hidden=state.hidden,
             )
             drafter.on_verified(result, state)
-        sync(dev)
+        sync(devs)
         gen.wall_s = time.perf_counter() - t0
         return gen

@@ -23,38 +23,53 @@ import torch
 
 
 class PeakMemory:
-    """Peak memory of one turn: CUDA allocator + NVML on a GPU, peak RSS (VmHWM, reset per turn) on the CPU."""
+    """Peak memory of one turn. On CUDA: the allocator's peak on every device the target uses (summed, and per device
+    where there are several: a device map), and NVML's device-wide `used` after the turn (not a peak: NVML keeps
+    none; it includes other processes and the allocator's cache), looked up by the device's UUID, which names the
+    same GPU whatever CUDA_VISIBLE_DEVICES renumbers. On the CPU: the process's peak RSS (VmHWM, reset per turn)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._nvml = None
-        if device.type == "cuda":
+    def __init__(self, device: torch.device | tuple[torch.device, ...]):
+        devices = device if isinstance(device, tuple) else (device,)
+        self.cuda = [d for d in devices if d.type == "cuda"]
+        self.device = devices[0]
+        self._nvml: list = []
+        if self.cuda:
             try:
                 import pynvml
 
                 pynvml.nvmlInit()
-                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+                self._nvml = [nvml_handle(pynvml, d) for d in self.cuda]
             except Exception:  # noqa: BLE001 - NVML missing or unsupported: keep the allocator counter only
-                self._nvml = None
+                self._nvml = []
 
     def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.cuda:
+            for d in self.cuda:
+                torch.cuda.reset_peak_memory_stats(d)
         else:
             try:  # "5" resets the peak resident set size of this process (Linux >= 4.0)
                 Path("/proc/self/clear_refs").write_text("5")
             except OSError:
                 pass
 
-    def read(self) -> dict[str, int | None]:
-        if self.device.type == "cuda":
-            out: dict[str, int | None] = {"peak_mem_bytes": torch.cuda.max_memory_allocated(self.device)}
-            if self._nvml is not None:
+    def read(self) -> dict[str, Any]:
+        if self.cuda:
+            peaks = [torch.cuda.max_memory_allocated(d) for d in self.cuda]
+            out: dict[str, Any] = {"peak_mem_bytes": sum(peaks)}
+            if len(peaks) > 1:
+                out["peak_mem_bytes_per_device"] = peaks
+            if self._nvml:
                 import pynvml
 
-                out["nvml_used_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(self._nvml).used)
+                out["nvml_used_bytes_after"] = sum(int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in self._nvml)
             return out
         return {"peak_mem_bytes": _peak_rss()}
+
+
+def nvml_handle(pynvml, device: torch.device):
+    """NVML's handle of a CUDA device by its UUID (torch numbers devices after CUDA_VISIBLE_DEVICES, NVML does not)."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
 
 
 def _peak_rss() -> int:

@@ -139,7 +139,7 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
         raise SpecbenchError(f"model.attn_implementation={cfg.attn_implementation!r} cannot take the 4D tree mask that "
                              f"verification needs; use one of {', '.join(ATTENTION_4D)}")
     ckpt = resolve_checkpoint(cfg)
-    placement = {} if cfg.device_map is None else {"device_map": _device_map(cfg.device_map)}
+    placement = {} if cfg.device_map is None else {"device_map": planned_device_map(cfg, ckpt, dtype)}
     try:
         # transformers 5 has one tokenizer backend (it ignores use_fast): SentencePiece files are converted on load
         tokenizer = AutoTokenizer.from_pretrained(ckpt, revision=cfg.revision)
@@ -162,14 +162,67 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     return model, tokenizer, device
 
 
-def _device_map(spec) -> str | dict[str, str | int]:
-    """`auto` (or balanced, sequential, ...) as accelerate takes it, or a {module name: device} mapping."""
+STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+# modules the engine and the drafters use directly, on the engine's device: the embeddings (the engine's device is
+# theirs), the rotary embedding, the final norm and the LM head (drafters call target.lm_head on their own features)
+ENGINE_MODULES = ("embed_tokens", "rotary_emb", "norm")
+
+
+def planned_device_map(cfg: ModelConfig, ckpt: str, dtype: torch.dtype) -> dict[str, int | str]:
+    """accelerate's placement for `model.device_map` (a strategy, or a {module name: device} map), then pinned
+    (pin_engine_modules). Planned on an empty (meta) model built from the config alone."""
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from accelerate.utils import get_balanced_memory, get_max_memory
+
+    config = AutoConfig.from_pretrained(ckpt, revision=cfg.revision)
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(config)
+    spec = cfg.device_map
     if isinstance(spec, str):
-        return spec
-    try:
-        return {str(k): v for k, v in dict(spec).items()}
-    except (TypeError, ValueError):
-        raise SpecbenchError(f"model.device_map={spec!r} is neither a strategy (auto) nor a module -> device map") from None
+        if spec not in STRATEGIES:
+            raise SpecbenchError(f"model.device_map={spec!r} is neither a strategy ({', '.join(STRATEGIES)}) nor a "
+                                 "module -> device map")
+        no_split = meta._no_split_modules
+        memory = get_max_memory()
+        if spec != "sequential":
+            memory = get_balanced_memory(meta, max_memory=memory, no_split_module_classes=no_split, dtype=dtype,
+                                         low_zero=spec == "balanced_low_0")
+        dmap = infer_auto_device_map(meta, max_memory=memory, no_split_module_classes=no_split, dtype=dtype)
+    else:
+        try:
+            dmap = {str(k): v for k, v in dict(spec).items()}
+        except (TypeError, ValueError):
+            raise SpecbenchError(f"model.device_map={spec!r} is neither a strategy (auto) nor a module -> device "
+                                 "map") from None
+    return pin_engine_modules(meta, dmap)
+
+
+def pin_engine_modules(model: PreTrainedModel, dmap: dict[str, int | str]) -> dict[str, int | str]:
+    """The map spelt out per decoder child (each layer its own entry, by the longest matching prefix of `dmap`), with
+    the embeddings, rotary embedding, final norm and LM head on the embeddings' device. accelerate puts the norm and
+    the LM head after the last layer, on the last GPU: the drafters (EAGLE's features through target.lm_head, Medusa's
+    heads, MoA's block) would then index across devices. The last GPU computes its layers; their output comes home."""
+    def where(name: str):
+        best = max((k for k in dmap if k == "" or name == k or name.startswith(k + ".")), key=len, default=None)
+        if best is None:
+            raise SpecbenchError(f"model.device_map places no module named {name!r} (nor a parent of it)")
+        return dmap[best]
+
+    prefix = next(n for n, m in model.named_modules() if m is model.get_decoder())
+    head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    names: list[str] = []
+    for child, module in model.get_decoder().named_children():
+        if isinstance(module, torch.nn.ModuleList):
+            names += [f"{prefix}.{child}.{i}" for i in range(len(module))]
+        else:
+            names.append(f"{prefix}.{child}")
+    full = {n: where(n) for n in names + [head]}
+    home = full[f"{prefix}.embed_tokens"]
+    for child in ENGINE_MODULES:
+        if f"{prefix}.{child}" in full:
+            full[f"{prefix}.{child}"] = home
+    full[head] = home
+    return full
 
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], system: str | None) -> list[int]:

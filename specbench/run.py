@@ -316,7 +316,7 @@ class Runner:
         if baseline is not None and self.decoding.temperature == 0:
             reference = {(r["question_id"], r["turn"]): r["new_token_ids"] for r in baseline.records() if r["repeat"] == 0}
         dev = self.target.device
-        mem = PeakMemory(dev)
+        mem = PeakMemory(self.target.devices)
         tok = self.target.tokenizer
         context = self.target.max_positions
         for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches

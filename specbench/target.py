@@ -36,6 +36,8 @@ class TargetModel:
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # every device the model computes on (several under model.device_map): what timing syncs and memory reads
+        self.devices: tuple[torch.device, ...] = tuple(sorted({p.device for p in model.parameters()}, key=str)) or (device,)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,6 +105,8 @@ def kv_per_token(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat([k.transpose(-3, -2).flatten(-2), v.transpose(-3, -2).flatten(-2)], -1)
 
 
-def cache_kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (K, V) views of the cache for drafters that read the target's key/values (MoA)."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+def cache_kv(cache: DynamicCache, device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) of the cache for drafters that read the target's key/values (MoA): views where a layer sits on
+    `device` (the drafter's, the engine's), copies where a device map put it on another GPU."""
+    move = (lambda x: x) if device is None else (lambda x: x.to(device, non_blocking=True))
+    return [(move(layer.keys), move(layer.values)) for layer in cache.layers]

@@ -1,0 +1,37 @@
+"""The day-one rehearsal, reduced (`make rehearse` runs it whole): Vicuna-7B v1.3's replica (.bin weights, a
+SentencePiece tokenizer.model only, 2,048 positions) and its published drafters' replicas under their real hub ids,
+then the README's `make download` and `make bench MODEL=vicuna-7b PRESET=paper` in bf16, offline. One published
+drafter replica is altered to misfit the target: its job fails, the others finish losslessly, and the table names
+the failure."""
+import json
+
+import pytest
+
+from specbench import rehearse, replicas
+
+pytestmark = pytest.mark.slow
+
+
+def test_day_one_on_vicuna_in_bf16_with_one_broken_download(tmp_path):
+    root = tmp_path / "rehearsal"
+    rehearse.write(root, ["vicuna-7b"])
+    cache = replicas.HubCache(root / "hf")
+    bad = replicas.medusa_heads({"vocab": 77, "target": replicas.TARGETS["vicuna-7b"]}, seed=1)  # another vocabulary
+    cache.put("FasterDecoding/medusa-vicuna-7b-v1.3", bad)
+    out = rehearse.rehearse(root, ["vicuna-7b"], ["bfloat16"], limit=1, max_new_tokens=24, replicas=False)
+    rows = {(r["drafter"], r["dataset"]): r for r in out.rows}
+    for drafter in ("none", "pld", "eagle", "eagle2", "sd"):
+        for dataset in ("mtbench", "gsm8k", "cnndm"):
+            r = rows[(drafter, dataset)]
+            assert r["dtype"] == "bfloat16" and r["turns"] == (2 if dataset == "mtbench" else 1)
+            if drafter != "none":
+                assert r["lossless"] + r["near_tie"] == r["compared"] == r["turns"], r
+    assert not any(d == "medusa" for d, _ in rows)
+    assert [c for c, rc in out.steps if rc != 0] == [c for c, _ in out.steps if "bench" in c]  # the sweep exits 1
+    failed = [p for p in out.problems if p.startswith("failed job medusa")]
+    assert len(failed) == 3 and "holds Medusa heads for hidden size 64 and vocabulary 77" in failed[0]
+    assert not any("named in no table" in p or "no table" in p for p in out.problems), out.problems
+    table = (root / "results" / "beagle_table1" / "table1.vicuna-7b.md").read_text()
+    assert "| medusa | failed |" in table and "Failed jobs: medusa on cnndm" in table
+    head = json.loads(next((root / "results" / "beagle_table1").glob("vicuna-7b__eagle2__*/run.json")).read_text())
+    assert head["model_identity"]["dtype"] == "bfloat16" and head["config"]["model"]["hf_id"] == "lmsys/vicuna-7b-v1.3"
