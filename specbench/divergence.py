@@ -34,10 +34,14 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def _path(logits: torch.Tensor, own: int, other: int) -> dict:
-    top = logits.float().topk(2)
-    (l1, l2), (t1, t2) = top.values.tolist(), top.indices.tolist()
-    return {"token": t1, "top2": [t1, t2], "margin": l1 - l2, "reproduces": t1 == own, "own_minus_other":
-            float(logits[own] - logits[other])}
+    """The token this row gives as the engine picks it (argmax: the lowest id among exactly equal logits, which fp16
+    produces; topk orders such ties arbitrarily), its top two and their margin."""
+    logits = logits.float()
+    token = int(logits.argmax())
+    second = int(logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) == token, float("-inf"))
+                 .argmax())
+    return {"token": token, "top2": [token, second], "margin": float(logits[token] - logits[second]),
+            "reproduces": token == own, "own_minus_other": float(logits[own] - logits[other])}
 
 
 def classify(baseline_engine, drafter_engine, prompt_ids: list[int], position: int, ours: int, theirs: int,

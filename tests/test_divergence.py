@@ -32,6 +32,9 @@ def test_a_near_tie_needs_each_path_to_reproduce_its_own_token():
     # however small the margin -- the old 8·|l1|·eps rule called this a near-tie
     swap = divergence.classify(Replay(base_row), Replay(base_row), [7], 3, ours, theirs)
     assert swap["kind"] == "mismatch" and not swap["drafter"]["reproduces"]
+    # fp16 rounds two logits to exactly the same value: the engine's argmax takes the lower id (topk may not)
+    exact = divergence.classify(Replay([0.0, 4.999, 5.0, -3.0]), Replay([0.0, 5.0, 5.0, -3.0]), [7], 3, 1, 2)
+    assert exact["kind"] == "near_tie" and exact["drafter"]["token"] == 1 and exact["drafter"]["margin"] == 0.0
     third = divergence.classify(Replay(base_row), Replay([0.0, 4.0, 1.0, 5.0]), [7], 3, 3, theirs)
     assert third["kind"] == "mismatch"  # reproduced, but not the pair of the two best on both rows
 
