@@ -59,6 +59,19 @@ def small_llama(target, init_layers: list[int]) -> PreTrainedModel:
     return small
 
 
+def hidden_states(module: PreTrainedModel, input_ids: torch.Tensor, **kw) -> torch.Tensor:
+    """The small model's last hidden states in training, where its own layers are fp32 masters and the embedding it
+    shares with the target is in the target's dtype (bf16 on a GPU): the embeddings are cast to the layers' dtype."""
+    decoder = module.get_decoder()
+    emb = decoder.embed_tokens(input_ids).to(decoder.norm.weight.dtype)
+    return decoder(inputs_embeds=emb, use_cache="past_key_values" in kw, **kw).last_hidden_state
+
+
+def head(module: PreTrainedModel, hs: torch.Tensor) -> torch.Tensor:
+    """The shared LM head (the target's dtype) on the small model's hidden states."""
+    return module.lm_head(hs.to(module.lm_head.weight.dtype))
+
+
 def published_draft(checkpoint: str | None) -> str | None:
     """The checkpoint directory when it holds a whole HF causal LM (a published draft such as Spec-Bench's
     double7/vicuna-68m, put into weights/<model>/sd by `make download`) rather than a specbench checkpoint."""
@@ -149,9 +162,9 @@ class IndependentDrafter(TrainableDrafter):
         del opts  # the loss has no option
         # the 49k-way LM heads (student and teacher) dominate the cost: apply them only where there is a loss
         # (assistant tokens: ~40% of the real tokens, fewer of the padded ones), not on every position
-        hs = module.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attn_mask).last_hidden_state
+        hs = hidden_states(module, batch.input_ids, attention_mask=batch.attn_mask)
         mask = batch.loss_mask[:, 1:].bool()  # position t predicts token t+1
-        logq = module.lm_head(hs[:, :-1][mask]).float().log_softmax(-1)  # [N, V]
+        logq = head(module, hs[:, :-1][mask]).float().log_softmax(-1)  # [N, V]
         p = teacher_probs(target, batch.hidden[:, :-1][mask])  # [N, V]
         loss = kl(p, logq)
         return loss, {"kl": loss.item(), "top1": top1(logq, p)}
@@ -162,13 +175,12 @@ class IndependentDrafter(TrainableDrafter):
         out = []
         for t in positions:
             cache = DynamicCache(config=module.config)
-            logits = module(input_ids=input_ids[None, : t + 1], past_key_values=cache, use_cache=True,
-                            logits_to_keep=1).logits[:, -1]
+            logits = head(module, hidden_states(module, input_ids[None, : t + 1], past_key_values=cache)[:, -1])
             row = []
             for _ in range(depth):
                 x = logits.argmax(-1)
                 row.append(x)
-                logits = module(input_ids=x[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = head(module, hidden_states(module, x[:, None], past_key_values=cache)[:, -1])
             out.append(torch.cat(row))
         return torch.stack(out)  # [P, depth]
 

@@ -58,10 +58,11 @@ def row_json(index: int, enc: Encoded) -> str:
 
 
 @torch.inference_mode()
-def target_answers(target: TargetModel, convs: list[Conversation], system: str | None, max_len: int,
+def target_answers(target: TargetModel, convs: list[Conversation | None], system: str | None, max_len: int,
                    answer_tokens: int, batch_size: int, path: Path) -> list[Encoded]:
     """Encoded (prompt + the target's greedy answer, loss on the answer and its end-of-turn token) per conversation,
-    in the order of `convs`; conversations whose question cannot fit are skipped. Resumes from `path` (JSONL)."""
+    in the order of `convs`; conversations whose question cannot fit are skipped, and so are None entries (another
+    rank's share). Resumes from `path` (JSONL)."""
     if not 0 < answer_tokens < max_len:
         raise SpecbenchError(f"train.answer_tokens={answer_tokens} must be between 1 and train.max_len={max_len}")
     tok = target.tokenizer
@@ -73,11 +74,14 @@ def target_answers(target: TargetModel, convs: list[Conversation], system: str |
             f.write(row_json(i, enc))
     todo = []
     for i, conv in enumerate(convs):
+        if conv is None:
+            continue
         if i not in done and (ids := question_ids(target, conv.messages[0][1], system, max_len - answer_tokens)):
             todo.append((i, ids))
     todo.sort(key=lambda x: len(x[1]))  # similar lengths per batch: less padding
     eos = sorted(target.eos_token_ids)
-    with path.open("a", encoding="utf-8") as f, tqdm(total=len(convs), initial=len(convs) - len(todo),
+    share = sum(c is not None for c in convs)
+    with path.open("a", encoding="utf-8") as f, tqdm(total=share, initial=share - len(todo),
                                                     desc="target answers", unit="conv", dynamic_ncols=True) as bar:
         for b in range(0, len(todo), batch_size):
             group = todo[b : b + batch_size]

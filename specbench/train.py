@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import random
 import sys
 import time
@@ -69,6 +70,14 @@ class Batch:
     @property
     def tokens(self) -> int:
         return int(self.attn_mask.sum())
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies, for the DataLoader's pin_memory=True: it pins the tensors and collections it knows and
+        calls this method on other objects (a dataclass it would hand back unpinned, making `to` synchronous)."""
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        hidden = pin(self.hidden)
+        return Batch(pin(self.input_ids), pin(self.loss_mask), pin(self.attn_mask), hidden,
+                     hidden if self.hidden_in is self.hidden else pin(self.hidden_in), pin(self.kv), pin(self.pre))
 
     def to(self, device: torch.device) -> "Batch":
         """On `device` (non-blocking from pinned memory); hidden_in stays the same tensor as hidden until noised."""
@@ -152,16 +161,21 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
     path = Path(cfg.data_path).expanduser() if cfg.data_path else None
     train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
     if cfg.answers == "target":
-        answers = root / "answers.jsonl"
-        if rank == 0:  # generation stays on rank 0 (resumable); the others read its complete file
-            target_answers(target, train_convs, model_cfg.system_prompt, cfg.max_len, cfg.answer_tokens,
-                           cfg.answer_batch_size, answers)
+        # shared out: rank r answers conversations i = r mod world into its own file (resumable); all read every file.
+        # (On rank 0 alone the others waited at the barrier for hours and NCCL's watchdog ended the job.)
+        answers = root / ("answers.jsonl" if world == 1 else f"answers.rank{rank}of{world}.jsonl")
+        mine = [c if i % world == rank else None for i, c in enumerate(train_convs)]
+        target_answers(target, mine, model_cfg.system_prompt, cfg.max_len, cfg.answer_tokens,
+                       cfg.answer_batch_size, answers)
         if world > 1:
             dist.barrier()
-        done = read_done(answers)
+        files = [answers] if world == 1 else [root / f"answers.rank{r}of{world}.jsonl" for r in range(world)]
+        done = {i: e for f in files for i, e in read_done(f).items()}
         enc = [done[i] for i in range(len(train_convs)) if i in done]
     else:
         enc = [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))]
+    if rank == 0 and not (root / "train" / "manifest.json").is_file():
+        check_free_space(root, enc, target, cfg, kv)
     train = extract(target, enc, root / "train", cfg.features_dtype, cfg.features_shard, kv=kv, desc="train features",
                     rank=rank, world=world)
     if rank == 0:
@@ -170,6 +184,34 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
     if world > 1:
         dist.barrier()
     return train, FeatureSet.open(root / "val")
+
+
+def feature_bytes(tokens: int, target: TargetModel, features_dtype: str, kv: bool) -> int:
+    """What extraction writes for `tokens` tokens: the last hidden state in features_dtype, ids (int32) and the loss mask
+    (uint8) per token; with stored K/V (kv) also every layer's K and V and PRE_LAYERS residual inputs."""
+    from specbench.features import DTYPES, PRE_LAYERS
+
+    width = DTYPES[features_dtype].itemsize
+    per_token = target.hidden_size * width + 4 + 1
+    if kv:
+        cfg = target.model.config
+        kv_width = 2 * (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) * (
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        per_token += (cfg.num_hidden_layers * kv_width + PRE_LAYERS * target.hidden_size) * width
+    return tokens * per_token
+
+
+def check_free_space(root: Path, enc: list, target: TargetModel, cfg: TrainConfig, kv: bool) -> None:
+    """Refuse, in one line, a feature extraction the disk cannot hold (at the paper budget ~0.69 TB on Llama-2-7B, by
+    default under ~/.cache), before hours of extraction end in a full disk."""
+    need = feature_bytes(sum(len(e.input_ids) for e in enc), target, cfg.features_dtype, kv)
+    probe = root
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise SpecbenchError(f"the training features need ~{need / 2**30:.1f} GiB and {probe} has {free / 2**30:.1f} "
+                             "GiB free: point train.features_dir (or SPECBENCH_CACHE) at a larger disk")
 
 
 class FeatureItems(torch.utils.data.Dataset):
@@ -311,13 +353,15 @@ class Trainer:
             raise SpecbenchError(f"drafter {cfg.drafter.name!r} has nothing to train")
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
+        own_gpu = self.world > 1 and torch.cuda.is_available() and self.model_cfg.device in ("auto", "cuda")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if own_gpu:  # before NCCL starts: its communicator binds to the current device (else every rank to GPU 0)
+            torch.cuda.set_device(local)
+            self.model_cfg.device = f"cuda:{local}"  # each rank loads the target straight onto its own GPU
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                    timeout=timedelta(minutes=self.tc.dist_timeout_min))
-        if self.world > 1 and torch.cuda.is_available() and self.model_cfg.device in ("auto", "cuda"):
-            local = int(os.environ.get("LOCAL_RANK", "0"))  # each rank loads the target straight onto its own GPU
-            torch.cuda.set_device(local)
-            self.model_cfg.device = f"cuda:{local}"
+                                    timeout=timedelta(minutes=self.tc.dist_timeout_min),
+                                    **({"device_id": torch.device("cuda", local)} if own_gpu else {}))
         model, tok, device = load_model(self.model_cfg)
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -346,7 +390,13 @@ class Trainer:
         self.online_kv = needs_kv and not stored_kv
         train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=stored_kv, rank=self.rank,
                                               world=self.world)
+        # fp32 masters whatever the target's dtype: a module built from a bf16 target's layers (sd copies them) would
+        # take AdamW updates below half a bf16 ulp, lost (bf16 autocast, train.precision, computes in bf16 anyway)
         module = self.cls.build_module(self.target, self.opts).to(dev)
+        shared = {id(p) for p in self.target.model.parameters()}
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in shared and p.dtype != torch.float32:
+                p.data = p.data.float()
         module.train()
         params = [p for p in module.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,

@@ -24,7 +24,7 @@ from specbench.models import load_model
 from specbench.config import ModelConfig
 from specbench.models import chat_prompt_ids
 from specbench.records import read_jsonl
-from specbench.selfdistill import target_answers
+from specbench.selfdistill import read_done, target_answers
 from specbench.target import TargetModel
 from specbench.train import Trainer
 from tests.conftest import byte_tokenizer
@@ -443,3 +443,65 @@ def test_every_rank_gets_the_same_number_of_batches(n, world):
     shards = [shard(list(range(n)), r, world) for r in range(world)]
     assert len({len(s) for s in shards}) == 1
     assert set().union(*shards) == set(range(n))
+
+
+def test_two_ranks_share_the_self_distilled_answers(tmp_path, sharegpt_file, tiny_checkpoint, make_cfg):
+    """train.answers=target under torchrun: each rank answers its share (i mod world) into its own file, and the
+    features are extracted from all of them: the same answers one process writes. (Rank 0 alone answered before,
+    while the others waited at a barrier until NCCL's watchdog ended the job on long generations.)"""
+    over = {"train.answers": "target", "train.answer_tokens": 16, "train.epochs": 1, "train.conversations": 5}
+    torchrun(tiny_checkpoint, "medusa", train_overrides(tmp_path / "two", sharegpt_file, **over))
+    parts = sorted((tmp_path / "two" / "features").rglob("answers.rank*of2.jsonl"))
+    assert [p.name for p in parts] == ["answers.rank0of2.jsonl", "answers.rank1of2.jsonl"]
+    two = {i: e for p in parts for i, e in read_done(p).items()}
+    assert sorted(i for i in read_done(parts[0])) == [0, 2, 4] and sorted(read_done(parts[1])) == [1, 3]
+    Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path / "one", sharegpt_file, **over))).run()
+    (single,) = (tmp_path / "one" / "features").rglob("answers.jsonl")
+    assert read_done(single) == two
+
+
+def test_a_bf16_target_trains_fp32_master_weights(make_cfg, tmp_path, sharegpt_file, monkeypatch):
+    """`sd` copies the target's layers: on a bf16 target its module was bf16, and AdamW's small updates fell below
+    half an ulp. The trainable weights are fp32 whatever the target's dtype."""
+    seen = {}
+    real = torch.optim.AdamW
+
+    def spy(params, **kw):
+        params = list(params)
+        seen["dtypes"] = {p.dtype for p in params}
+        return real(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1, "train.max_steps": 2})
+    Trainer(make_cfg("drafter=sd", "model.dtype=bfloat16", *over)).run()
+    assert seen["dtypes"] == {torch.float32}
+
+
+def test_the_batch_pins_every_tensor_field(monkeypatch):
+    """torch's DataLoader (pin_memory=True) pins tensors and collections it knows and calls `pin_memory()` on other
+    objects; without the method a Batch came back unpinned and every copy to the GPU was synchronous. Pinning needs
+    CUDA: here Tensor.pin_memory is replaced by a marker."""
+    from specbench.train import Batch
+
+    pinned_ids = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned_ids.append(id(t)) or t.clone())
+    b = Batch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+              torch.ones(1, 2, dtype=torch.long), torch.zeros(1, 2, 4), None, torch.zeros(1, 2, 3, 8), None)
+    b.hidden_in = b.hidden
+    p = b.pin_memory()
+    assert len(pinned_ids) == 5 and p.hidden_in is p.hidden and p.pre is None
+    from torch.utils.data._utils.pin_memory import pin_memory as loader_pin
+
+    assert isinstance(loader_pin(b), Batch)  # the loader's own pinning goes through the method
+
+
+def test_feature_extraction_that_cannot_fit_the_disk_is_refused(make_cfg, tmp_path, sharegpt_file, monkeypatch):
+    import shutil as sh
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(sh, "disk_usage", lambda p: usage(10**6, 10**6, 1000))
+    with pytest.raises(SpecbenchError, match=r"the training features need ~.* GiB and .* has 0.0 GiB free: point "
+                                             r"train.features_dir \(or SPECBENCH_CACHE\)"):
+        Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file))).run()
+    assert not list((tmp_path / "features").rglob("shard-*.safetensors"))
