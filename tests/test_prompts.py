@@ -97,3 +97,14 @@ def test_the_hub_commands_in_hints_exist():
     sources = [*REPO.glob("specbench/*.py"), *REPO.glob("conf/**/*.yaml"), REPO / "README.md"]
     stale = [p.name for p in sources for cmd in ("huggingface-cli download", "huggingface-cli login") if cmd in p.read_text()]
     assert not stale
+
+
+def test_an_attention_that_cannot_take_the_tree_mask_is_refused():
+    """flash_attention_2 takes no 4D mask: a tree cannot be verified through it (it was accepted, then failed)."""
+    from specbench.errors import SpecbenchError
+    from specbench.models import load_model
+
+    cfg = to_dataclass(ModelConfig, OmegaConf.load(REPO / "conf" / "model" / "llama2-7b.yaml"))
+    cfg.attn_implementation = "flash_attention_2"
+    with pytest.raises(SpecbenchError, match="cannot take the 4D tree mask that verification needs; use one of sdpa, eager"):
+        load_model(cfg)
