@@ -10,18 +10,23 @@ computed it:
   row that chose token j (the row of the node below which it was accepted, or drawn as the bonus).
 
 It is a **near-tie** only when each path reproduces its own run's token (the baseline's row argmax is the baseline's
-token, the tree row's argmax is the drafter's) and on both rows those two tokens are the two best: the same function,
-computed two ways, puts a different one of two nearly level tokens first. Anything else is a **mismatch**, a bug
-until shown otherwise: a token outside the top two, or a path that does not reproduce its run (a verification that
-emits the runner-up of its own row, say, is caught here: its tree row replays to the other token). Each path's top-2
-margin is recorded. The old rule (one fresh forward and a margin of 8·|l1|·eps(dtype), a 3-7x probability ratio in
-bf16) would have filed such a swap as a near-tie.
+token, the tree row's argmax is the drafter's) and the swing between the paths is rounding-sized: how far the
+baseline's row puts its token above the drafter's, plus how far the tree row puts the drafter's above the baseline's,
+at most NEAR_TIE_ULPS units in the last place of the top logit in the target's dtype. The same function, computed two
+ways, put a different one of nearly level tokens first (in bf16 three can be level: each row's runner-up need not be
+the other run's token). Anything else is a **mismatch**, a bug until shown otherwise: a path that does not reproduce its
+run (a verification that emits the runner-up of its own row is caught here, however small the margin: its tree row
+replays to the other token), or two paths that disagree by more than rounding (a tree row computing another function).
+The old rule (one fresh forward, a margin of 8·|l1|·eps(dtype): a 3-7x probability ratio in bf16, and no replay)
+filed such a swap as a near-tie.
 
 The lossless count itself stays strict (token for token); fp32 is the strict check CI runs.
 """
 from __future__ import annotations
 
 import torch
+
+NEAR_TIE_ULPS = 4
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -41,18 +46,23 @@ def _path(logits: torch.Tensor, own: int, other: int) -> dict:
     second = int(logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) == token, float("-inf"))
                  .argmax())
     return {"token": token, "top2": [token, second], "margin": float(logits[token] - logits[second]),
-            "reproduces": token == own, "own_minus_other": float(logits[own] - logits[other])}
+            "top_logit": float(logits[token]), "reproduces": token == own,
+            "own_minus_other": float(logits[own] - logits[other])}
 
 
 def classify(baseline_engine, drafter_engine, prompt_ids: list[int], position: int, ours: int, theirs: int,
-             context: int | None = None) -> dict:
+             context: int | None = None, dtype: torch.dtype = torch.float32) -> dict:
     """Replay token `position` of a T=0 turn on the baseline's path (it emitted `theirs`) and on the drafter's (it
-    emitted `ours`) -> {kind, baseline: {...}, drafter: {...}} with each path's token, top-2 and margin."""
+    emitted `ours`) -> {kind, swing, tolerance, baseline: {...}, drafter: {...}} with each path's token, top-2 and
+    margin; dtype: the target's (its rounding sets the tolerance)."""
     rows = {}
     for name, engine in (("baseline", baseline_engine), ("drafter", drafter_engine)):
         gen = engine.generate(prompt_ids, position + 1, None, context, capture_at=position)
         rows[name] = gen.captured
     base = _path(rows["baseline"], theirs, ours)
     draft = _path(rows["drafter"], ours, theirs)
-    tie = base["reproduces"] and draft["reproduces"] and {ours, theirs} == set(base["top2"]) == set(draft["top2"])
-    return {"kind": "near_tie" if tie else "mismatch", "baseline": base, "drafter": draft}
+    swing = base["own_minus_other"] + draft["own_minus_other"]  # >= 0 when both reproduce
+    tol = NEAR_TIE_ULPS * max(abs(base["top_logit"]), abs(draft["top_logit"])) * torch.finfo(dtype).eps
+    tie = base["reproduces"] and draft["reproduces"] and swing <= tol
+    return {"kind": "near_tie" if tie else "mismatch", "swing": swing, "tolerance": tol, "baseline": base,
+            "drafter": draft}

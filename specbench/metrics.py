@@ -144,6 +144,9 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         "matches": sum(bool(r["matches_baseline"]) for r in compared),
         "rate": sum(bool(r["matches_baseline"]) for r in compared) / len(compared) if compared else None,
     }
+    after = sum(bool(r.get("after_divergence")) for r in records)
+    if after:  # turns whose prompt already held a diverged earlier answer: not compared (absent when none)
+        out["lossless"]["not_compared_after_divergence"] = after
     classified = [r["divergence"]["kind"] for r in compared if r.get("divergence")]
     if classified:  # specbench/divergence.py: near-ties of the dtype's rounding vs mismatches
         out["lossless"]["divergences"] = {k: classified.count(k) for k in ("near_tie", "mismatch")}

@@ -328,6 +328,7 @@ class Runner:
             for repeat, q in todo:
                 answers: list[str] = []
                 rows = []
+                diverged = False  # an earlier turn of this question left the baseline's output
                 for turn in range(len(q.turns)):
                     ids = self.prompt_ids(q, turn, answers)
                     gen_rng = torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, repeat, q.question_id, turn))
@@ -339,14 +340,18 @@ class Runner:
                         g = Generation(new_tokens=[], prompt_tokens=len(ids), wall_s=0.0, prefill_s=0.0)
                     if budget < self.decoding.max_new_tokens and g.stopped_by == "max_new_tokens":
                         g.stopped_by = "context"
-                    ref = reference.get((q.question_id, turn))
+                    # after a turn that left the baseline's text, this turn's prompt holds other words: not comparable
+                    ref = None if diverged else reference.get((q.question_id, turn))
                     rows.append(self._record(q, turn, repeat, g, mem.read(), ref))
+                    if diverged:
+                        rows[-1]["after_divergence"] = True
+                    diverged = diverged or rows[-1]["first_divergence"] is not None
                     if rows[-1]["first_divergence"] is not None:  # near-tie or mismatch (specbench/divergence.py)
                         j = rows[-1]["first_divergence"]
                         if j < min(len(ref), len(g.new_tokens)):  # not one output a prefix of the other
                             replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
                             rows[-1]["divergence"] = {"position": j, **divergence.classify(
-                                replay, engine, ids, j, g.new_tokens[j], ref[j], context)}
+                                replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)}
                     answers.append(tok.decode(g.new_tokens, skip_special_tokens=True).strip())
                     bar.update(1)
                     bar.set_postfix(tok_s=f"{rows[-1]['tokens_per_s'] or 0:.1f}", tau=f"{g.tau:.2f}")

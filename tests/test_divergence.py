@@ -22,21 +22,27 @@ class Replay:
 
 
 def test_a_near_tie_needs_each_path_to_reproduce_its_own_token():
-    theirs, ours = 1, 2  # the baseline emitted 1, the drafter 2, at the same position
+    theirs, ours, bf16 = 1, 2, torch.bfloat16  # the baseline emitted 1, the drafter 2, at the same position
     base_row = [0.0, 5.0, 4.999, -3.0]  # one-token decoding: 1 just ahead of 2
     tree_row = [0.0, 4.999, 5.0, -3.0]  # the tree row, rounded otherwise: 2 just ahead of 1
-    tie = divergence.classify(Replay(base_row), Replay(tree_row), [7], 3, ours, theirs)
+    tie = divergence.classify(Replay(base_row), Replay(tree_row), [7], 3, ours, theirs, dtype=bf16)
     assert tie["kind"] == "near_tie" and tie["baseline"]["token"] == 1 and tie["drafter"]["token"] == 2
-    assert abs(tie["drafter"]["margin"] - 0.001) < 1e-6
+    assert abs(tie["swing"] - 0.002) < 1e-6 and abs(tie["drafter"]["margin"] - 0.001) < 1e-6
+    # the same swing is far beyond fp32's rounding: two fp32 paths that disagree by that much compute another function
+    assert divergence.classify(Replay(base_row), Replay(tree_row), [7], 3, ours, theirs)["kind"] == "mismatch"
     # a verification that emits its own row's runner-up (a swap): the tree row replays to the baseline's token,
     # however small the margin -- the old 8·|l1|·eps rule called this a near-tie
-    swap = divergence.classify(Replay(base_row), Replay(base_row), [7], 3, ours, theirs)
+    swap = divergence.classify(Replay(base_row), Replay(base_row), [7], 3, ours, theirs, dtype=bf16)
     assert swap["kind"] == "mismatch" and not swap["drafter"]["reproduces"]
     # fp16 rounds two logits to exactly the same value: the engine's argmax takes the lower id (topk may not)
-    exact = divergence.classify(Replay([0.0, 4.999, 5.0, -3.0]), Replay([0.0, 5.0, 5.0, -3.0]), [7], 3, 1, 2)
+    exact = divergence.classify(Replay([0.0, 4.999, 5.0, -3.0]), Replay([0.0, 5.0, 5.0, -3.0]), [7], 3, 1, 2,
+                                dtype=torch.float16)
     assert exact["kind"] == "near_tie" and exact["drafter"]["token"] == 1 and exact["drafter"]["margin"] == 0.0
-    third = divergence.classify(Replay(base_row), Replay([0.0, 4.0, 1.0, 5.0]), [7], 3, 3, theirs)
-    assert third["kind"] == "mismatch"  # reproduced, but not the pair of the two best on both rows
+    # three tokens level in bf16 (found by the rehearsal: each row's runner-up is not the other run's token)
+    three = divergence.classify(Replay([9.9375, 10.0, 10.0]), Replay([10.0, 10.0, 9.9375]), [7], 3, 0, 1, dtype=bf16)
+    assert three["kind"] == "near_tie" and three["baseline"]["top2"] == [1, 2] and three["drafter"]["top2"] == [0, 1]
+    far = divergence.classify(Replay(base_row), Replay([0.0, 4.0, 1.0, 5.0]), [7], 3, 3, theirs, dtype=bf16)
+    assert far["kind"] == "mismatch"  # both reproduce, but the rows disagree by far more than bf16's rounding
 
 
 def test_a_swapped_acceptance_in_a_real_run_is_a_mismatch(make_cfg, monkeypatch):
@@ -76,3 +82,7 @@ def test_a_run_that_diverges_from_its_baseline_records_the_kind(make_cfg):
     assert first["divergence"]["kind"] == "mismatch"
     summary = json.loads(run.summary_path.read_text())
     assert summary["lossless"]["divergences"] == {"near_tie": 0, "mismatch": 1}
+    # the question's second turn carries the first turn's (other) answer in its prompt: not compared with the baseline
+    second = [r for r in read_jsonl(run.records_path) if r["question_id"] == first["question_id"] and r["turn"] == 1]
+    assert second and second[0]["after_divergence"] and second[0]["matches_baseline"] is None
+    assert summary["lossless"]["not_compared_after_divergence"] == 1
