@@ -86,3 +86,42 @@ def test_a_run_that_diverges_from_its_baseline_records_the_kind(make_cfg):
     second = [r for r in read_jsonl(run.records_path) if r["question_id"] == first["question_id"] and r["turn"] == 1]
     assert second and second[0]["after_divergence"] and second[0]["matches_baseline"] is None
     assert summary["lossless"]["not_compared_after_divergence"] == 1
+
+
+def test_a_verification_that_emits_its_rows_runner_up_is_a_mismatch(make_cfg, monkeypatch):
+    """A verification bug injected in the test only: at the first step whose root row has its two best tokens within
+    the old rule's margin (8·|l1|·eps(bf16)), the row's top two logits are swapped, so the step emits the runner-up of
+    the row that chose its first token. The old rule (one fresh forward; the pair is its top two within that margin)
+    filed this swap as a near-tie; the replay of the drafter's own tree row gives the baseline's token there (the
+    row's argmax), not the token the run emitted: a mismatch, with both paths' top two and margins."""
+    import dataclasses
+
+    bf16 = ("dataset.limit=1", "model.dtype=bfloat16")
+    Runner(make_cfg("drafter=none", *bf16)).execute()
+    runner = Runner(make_cfg("drafter=pld", *bf16))
+    real, state = runner.target.verify, {"swapped": None}
+
+    def swapped(*args, **kwargs):
+        fwd = real(*args, **kwargs)
+        row = fwd.logits[0, 0].float()
+        (l1, l2), top2 = row.topk(2).values.tolist(), row.topk(2).indices
+        if state["swapped"] is not None or l1 - l2 > 8 * abs(l1) * torch.finfo(torch.bfloat16).eps:
+            return fwd  # (once: the replays verify correctly)
+        state["swapped"] = top2.tolist()
+        logits = fwd.logits.clone()
+        logits[0, 0, top2] = logits[0, 0, top2.flip(0)]
+        return dataclasses.replace(fwd, logits=logits)
+
+    monkeypatch.setattr(runner.target, "verify", swapped)
+    run = runner.execute()
+    assert state["swapped"] is not None  # the bug fired, at a close pair
+    first = read_jsonl(run.records_path)[0]
+    assert first["matches_baseline"] is False
+    d, j = first["divergence"], first["first_divergence"]
+    theirs, ours = state["swapped"]
+    assert d["position"] == j and first["new_token_ids"][j] == ours
+    assert d["kind"] == "mismatch"
+    assert d["baseline"]["reproduces"] and not d["drafter"]["reproduces"]
+    # the emitted token is the runner-up of the drafter's own (correctly replayed) tree row, as of the baseline's row
+    assert d["drafter"]["top2"] == [theirs, ours] and d["baseline"]["top2"] == [theirs, ours]
+    assert 0 < d["drafter"]["margin"] <= 8 * abs(d["drafter"]["top_logit"]) * torch.finfo(torch.bfloat16).eps

@@ -61,6 +61,58 @@ def test_the_counter_sees_what_stalls_a_gpu():
                          "to(cpu)": 1, "scalar-index": 3}
 
 
+def test_a_tensor_where_aten_wants_a_number_is_counted():
+    """Slice bounds, list indices and arguments ATen takes as numbers: each an .item() inside ATen (the profiler's
+    _local_scalar_dense below), a sync on a GPU; ops whose Tensor overload keeps it on the device are not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, i = torch.arange(6.0), torch.tensor(2)
+    m = x > 2
+    with profile(activities=[ProfilerActivity.CPU]) as prof, HostRoundTrips() as rt:
+        x[:i], x[1:i], x[None, ..., i]
+        with pytest.warns(UserWarning, match="non-tuple sequence"):
+            x[[i]]  # (a list index, read as a tuple: the 0-dim tensor in it is a scalar index)
+        x.narrow(0, i, 1), torch.full((2,), i), torch.arange(i), x.view(3, i), x.topk(i), x.add(x, alpha=i)
+        x.masked_fill(m, i), x.index_fill(0, i.view(1), i)  # (their Tensor overloads read it too)
+        torch.where(m, x, i), x.clamp(min=i), x * i, x.clone().fill_(i)  # (on the device)
+    assert rt.counts == {"scalar-index": 4, "scalar-arg": 8}
+    assert _aten_scalar_reads(prof) == 12
+
+
+# what the counter counts that ATen reads with _local_scalar_dense (an .item())
+SCALAR_READS = {"item", "__bool__", "__int__", "__float__", "__index__", "__complex__", "scalar-index", "scalar-arg"}
+
+
+def _aten_scalar_reads(prof) -> int:
+    """Every read of a tensor as a number ATen made (aten::_local_scalar_dense, the hidden ones included), less the
+    CPU form of multinomial's validity checks (aten::_assert_async: a device-side assert on CUDA, no sync)."""
+    def under_assert(e) -> bool:
+        while e is not None:
+            if e.name == "aten::_assert_async":
+                return True
+            e = e.cpu_parent
+        return False
+
+    return sum(e.name == "aten::_local_scalar_dense" and not under_assert(e) for e in prof.events())
+
+
+# at T>0 the engine's rejection sampling, and the drafters that sample their drafts (sd) or siblings (sd_tree)
+@pytest.mark.parametrize("name,temperature", [(n, 0.0) for n in DRAFTER_CONFIGS] + [
+    (n, 1.0) for n in ("none", "sd", "sd_tree", "eagle2")])
+def test_no_scalar_read_hides_from_the_counter(name, temperature):
+    """The profiler sees every .item() ATen makes, those inside indexing and op arguments included: in a whole
+    generation (engine and drafter, greedy and sampled) each is one the counter counts, so the bounds above hold on a
+    GPU too (a 0-dim index in the hot path was 2 hidden syncs per greedy step before)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    target = target_for()
+    engine = Engine(target, make_drafter(name, target), SamplingParams(temperature=temperature))
+    with profile(activities=[ProfilerActivity.CPU]) as prof, HostRoundTrips() as rt:
+        gen = engine.generate(PROMPTS[1], 12, torch.Generator().manual_seed(0))
+    assert gen.steps >= 3
+    assert _aten_scalar_reads(prof) == sum(rt.counts[k] for k in SCALAR_READS), dict(rt.counts)
+
+
 def test_drafters_propose_the_recorded_trees():
     """The trees grown on the device are the trees the host-side policies grew (recorded at that commit by
     scripts/record_proposals.py): every drafter config, the same tokens and parents at every recorded step."""
