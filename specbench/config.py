@@ -23,6 +23,11 @@ class ModelConfig:
     system_prompt: str | None = None  # None = no system turn (the template may add its default)
     # only implementations that take the engine's 4D tree mask (flash_attention_2 takes none: a tree cannot be verified)
     attn_implementation: str = "sdpa"
+    # false = the ids of the slow (SentencePiece) LlamaTokenizer that EAGLE's and HASS's scripts load (use_fast=False).
+    # transformers 5 has only the tokenizers-backed class; it gives the slow class's ids when built with the slow
+    # class's `legacy` mode: tokenizer_config.json's, else True (4.x's default; 5.x defaults to False, which drops the
+    # "▁" SentencePiece puts after Vicuna's "</s>" in a second turn)
+    use_fast_tokenizer: bool = True
     # the files of the hub repository a run needs (`hf download <hf_id> --include ...`): Vicuna v1.3 has .bin weights
     # only, Llama-2 both (.safetensors are enough), Llama-3 an original/ folder that is not needed
     download: list[str] = field(default_factory=lambda: ["*.json", "*.safetensors", "tokenizer.model"])

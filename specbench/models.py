@@ -132,6 +132,24 @@ def unavailable(cfg: ModelConfig) -> str | None:
     return None
 
 
+def load_tokenizer(cfg: ModelConfig, ckpt: str) -> PreTrainedTokenizerBase:
+    """The target's tokenizer. transformers 5 has one backend (it ignores use_fast) and converts SentencePiece files
+    on load; with model.use_fast_tokenizer=false it is built in the slow LlamaTokenizer's `legacy` mode, where its ids
+    are the slow class's (tests/test_prompts.py compares them with SentencePiece run as transformers 4.x ran it)."""
+    if cfg.use_fast_tokenizer:
+        return AutoTokenizer.from_pretrained(ckpt, revision=cfg.revision)
+    from transformers import LlamaTokenizer
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+    # 4.x's slow class took legacy=True where tokenizer_config.json does not say (Vicuna v1.3); Llama-2 says false
+    legacy = get_tokenizer_config(ckpt, revision=cfg.revision).get("legacy", True)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt, revision=cfg.revision, legacy=legacy)
+    if not isinstance(tokenizer, LlamaTokenizer):
+        raise SpecbenchError(f"model.use_fast_tokenizer=false reproduces the slow SentencePiece LlamaTokenizer, and "
+                             f"{ckpt}'s tokenizer is a {type(tokenizer).__name__}: set model.use_fast_tokenizer=true")
+    return tokenizer
+
+
 def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, torch.device]:
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
@@ -141,8 +159,7 @@ def load_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     ckpt = resolve_checkpoint(cfg)
     placement = {} if cfg.device_map is None else {"device_map": planned_device_map(cfg, ckpt, dtype)}
     try:
-        # transformers 5 has one tokenizer backend (it ignores use_fast): SentencePiece files are converted on load
-        tokenizer = AutoTokenizer.from_pretrained(ckpt, revision=cfg.revision)
+        tokenizer = load_tokenizer(cfg, ckpt)
         model = AutoModelForCausalLM.from_pretrained(
             ckpt, dtype=dtype, revision=cfg.revision, attn_implementation=cfg.attn_implementation, **placement
         )

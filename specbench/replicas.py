@@ -180,8 +180,10 @@ def write_target(cache: HubCache, name: str, texts: list[str], tmp: Path) -> dic
         files["tokenizer.model"] = sp
         files["tokenizer_config.json"] = _json({
             "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-            "pad_token": None, "add_bos_token": True, "add_eos_token": False, "legacy": False,
+            "pad_token": None, "add_bos_token": True, "add_eos_token": False,
             "clean_up_tokenization_spaces": False, "model_max_length": t.max_positions, "sp_model_kwargs": {}})
+        if t.tokenizer == "spm+json":  # Llama-2's config says legacy: false; Vicuna v1.3's predates the key
+            files["tokenizer_config.json"] = _json({**json.loads(files["tokenizer_config.json"]), "legacy": False})
         files["special_tokens_map.json"] = _json({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
         if t.tokenizer == "spm+json":  # Llama-2's repo has the converted tokenizer.json beside tokenizer.model
             from transformers import AutoTokenizer

@@ -40,7 +40,9 @@ def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
     return {"name": cfg.name, "hf_id": cfg.hf_id, "path": cfg.path, "revision": cfg.revision, "gguf_file": cfg.gguf_file,
             "dtype": str(dtype).removeprefix("torch."), "device": device.type, "chat_template": cfg.chat_template,
             "system_prompt": cfg.system_prompt, "attn_implementation": cfg.attn_implementation,
-            "device_map": cfg.device_map}
+            "device_map": cfg.device_map,
+            # only when set: runs made before the option keep their names (the fast tokenizer was the only one)
+            **({} if cfg.use_fast_tokenizer else {"use_fast_tokenizer": False})}
 
 
 def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: int, seed: int) -> dict:

@@ -505,3 +505,29 @@ def test_feature_extraction_that_cannot_fit_the_disk_is_refused(make_cfg, tmp_pa
                                              r"train.features_dir \(or SPECBENCH_CACHE\)"):
         Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file))).run()
     assert not list((tmp_path / "features").rglob("shard-*.safetensors"))
+
+
+def test_each_rank_sets_its_gpu_before_nccl_starts(make_cfg, tmp_path, sharegpt_file, monkeypatch):
+    """NCCL's communicator binds to the current CUDA device: set_device came after init_process_group, so every rank's
+    communicator started on GPU 0. The order, and the device_id torch takes for it, seen through stand-ins (no GPU)."""
+    import torch.distributed as dist
+
+    calls = []
+
+    class Started(Exception):
+        pass
+
+    def init(backend, **kw):
+        calls.append(("init", backend, kw.get("device_id")))
+        raise Started
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(Started):
+        Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file)))
+    assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
