@@ -22,7 +22,12 @@ eps ~ U[0, k) per batch. Query at window position n+i (i = 1..k) keeps its token
   n+1 .. n+i-1 (= drafting with concate). Predicted states go into a second key buffer of the same length ("in-place
   adding of next-predicted keys"): attention is always T queries x 2T keys, whatever s.
   Both stages add the feature regression ("vloss", SmoothL1 to the true state) with coefficient 10 and Gaussian
-  noise N(0, 0.2) on the input states (App. A.3); losses are means over the trained queries of each step.
+  noise N(0, 0.2) on the input states (App. A.3); losses are means over the trained queries of each step. The CE
+  takes the stage's weight (k for Eq. 4's sum over lookaheads, beta*_i at step i); the vloss keeps its 10 (before
+  2026-11-24 it was multiplied by k or beta* too: 20-50). Each late-stage step adds its own vloss x 10 (our reading:
+  the paper gives one coefficient for "both stages" and does not say how it spreads over simulated steps).
+  Optimiser (App. A.3, conf/drafter/beagle.yaml): AdamW (0.9, 0.95), no weight decay named (torch's AdamW default
+  0.01 is the authors' EAGLE replication's), gradients clipped to a maximum norm of 0.5.
 Our reading where the text is silent: late-stage steps are independent graphs (predicted states enter the buffer
 detached, like the paper's in-place writes) and are backpropagated one after another (TrainableDrafter.training_steps),
 so peak memory does not grow with s; `late_from_epoch` switches stages (paper: epoch 10 of 20; our budget: 1 of 2).
@@ -107,13 +112,16 @@ class BeagleDrafter(TrainableDrafter):
         return CrossAttentionBlock(target).to(target.device)
 
     @staticmethod
-    def _step_loss(opts: BeagleOptions, out, batch, target, rows: torch.Tensor) -> tuple[torch.Tensor, float, float]:
-        """CE to the target's next-token law + vloss at the query positions `rows` [B, T] bool."""
+    def _step_loss(opts: BeagleOptions, out, batch, target, rows: torch.Tensor,
+                   weight: float) -> tuple[torch.Tensor, float, float]:
+        """weight x CE to the target's next-token law + vloss_weight x vloss, at the query positions `rows` [B, T]
+        bool: the CE's weight is the stage's (k, or beta*_i), the vloss coefficient is App. A.3's 10 in both stages,
+        never multiplied by k or beta."""
         pred, true = out[rows], batch.hidden[rows]  # [M, H]: h^_n vs h_n (q_n predicts t_{n+1})
         p = teacher_probs(target, true)
         logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
         vloss = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
-        return soft_ce(p, logq) + opts.vloss_weight * vloss, vloss.item(), top1(logq, p)
+        return weight * soft_ce(p, logq) + opts.vloss_weight * vloss, vloss.item(), top1(logq, p)
 
     @classmethod
     def training_loss(cls, module, batch, target, opts: BeagleOptions):
@@ -121,7 +129,9 @@ class BeagleDrafter(TrainableDrafter):
         return next(cls.training_steps(module, batch, target, opts, epoch=0))
 
     @classmethod
-    def training_steps(cls, module, batch, target, opts: BeagleOptions, epoch: int) -> Iterator[tuple[torch.Tensor, dict]]:
+    def training_steps(cls, module, batch, target, opts: BeagleOptions, epoch: int,
+                       progress: float = 0.0) -> Iterator[tuple[torch.Tensor, dict]]:
+        del progress  # the stages switch by epoch (App. A.3: epoch 10 of 20)
         t, dev = batch.input_ids.shape[1], batch.input_ids.device
         offset = int(torch.randint(0, opts.window, (1,)).item())  # eps ~ U[0, k) (torch's seeded stream)
         start = window_starts(t, opts.window, offset, dev)  # n(q), [T]
@@ -134,15 +144,16 @@ class BeagleDrafter(TrainableDrafter):
         real = batch.attn_mask.bool()
         if epoch < opts.late_from_epoch:  # early stage: one pass, every query, states up to its window start
             out = next(simulated_steps(module, emb, batch.hidden_in, real, start, 1))
-            loss, vloss, agree = cls._step_loss(opts, out, batch, target, trainable)
-            yield opts.window * loss, {"stage": 0, "vloss": vloss, "top1": agree}
+            # Eq. 4 sums the k lookaheads' CE: the mean over every trained query (each is one lookahead j) times k
+            loss, vloss, agree = cls._step_loss(opts, out, batch, target, trainable, opts.window)
+            yield loss, {"stage": 0, "vloss": vloss, "top1": agree}
             return
         rows = [trainable & (rel == i)[None] for i in range(1, opts.sim_steps + 1)]
         trained = [bool(r.any()) for r in rows]
         for i, out in enumerate(simulated_steps(module, emb, batch.hidden_in, real, start, opts.sim_steps, trained), 1):
             if trained[i - 1]:
-                loss, vloss, agree = cls._step_loss(opts, out, batch, target, rows[i - 1])
-                yield (opts.window - i + 1) * loss, {"stage": 1, f"vloss{i}": vloss, f"top1_{i}": agree}
+                loss, vloss, agree = cls._step_loss(opts, out, batch, target, rows[i - 1], opts.window - i + 1)
+                yield loss, {"stage": 1, f"vloss{i}": vloss, f"top1_{i}": agree}
 
     @classmethod
     @torch.no_grad()

@@ -64,9 +64,13 @@ class CoralDrafter(HassDrafter):
     w_reg = 0.5  # App. A: half of EAGLE's regression weight
 
     @classmethod
-    def training_steps(cls, module, batch, target, opts: CoralOptions,
-                       epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
-        del epoch  # one objective throughout
+    def restarts(cls, opts):
+        return ()  # one stage (HASS's Top-K restart is not CORAL's)
+
+    @classmethod
+    def training_steps(cls, module, batch, target, opts: CoralOptions, epoch: int,
+                       progress: float = 0.0) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
+        del epoch, progress  # one objective throughout
         emb, mask_tok, true, p = cls.step_targets(batch, target)
         earlier: list[torch.Tensor] = []  # F^1 .. F^{j-1} at the loss positions, detached
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps)
@@ -178,8 +182,8 @@ class CoralRouterDrafter(CoralDrafter):
         return head.router.log_probs(lm_head.weight, f)
 
     @classmethod
-    def training_steps(cls, module, batch, target, opts: CoralRouterOptions, epoch: int):
-        del epoch  # stage 2 is one graph: the router's loss over the frozen head's n steps
+    def training_steps(cls, module, batch, target, opts: CoralRouterOptions, epoch: int, progress: float = 0.0):
+        del epoch, progress  # stage 2 is one graph: the router's loss over the frozen head's n steps
         yield cls.training_loss(module, batch, target, opts)
 
     @classmethod

@@ -12,23 +12,25 @@ Training as the authors' `train/main_hass.py` does it: step j's inputs take the 
 graph, as Beagle's training-memory comparison measures), and the step losses are summed (each backward adds its
 gradient). Step j's loss is EAGLE's (w_reg = 1, w_cls = 0.1) plus harmonized objective distillation:
     L_topK = - sum_{x in top-K of p_target} p_target(x) log q_draft(x),  K = 10 (papers/001: "K = 10"), weight 1.0.
-Schedule, the authors' `train.sh` mapped onto our budget: they train 40 epochs without the Top-K term (`--topk_w 0`)
-and then 10 more with it (`--topk_w 1`, from the first stage's weights); here the term is on from epoch
-`topk_from_epoch` (default 1: the second of the budget's 2 epochs, as Beagle's late stage switches at epoch 1).
-Deviation: no lr restart at the second stage (theirs 3e-5 then 1e-5): one cosine schedule over the whole budget.
+Schedule, the authors' `train.sh` mapped onto our budget: they train 40 epochs without the Top-K term (`--topk_w 0`,
+lr 3e-5) and then 10 more with it (`--topk_w 1`, lr 1e-5), a second run that starts from the first's weights with a
+fresh optimiser and its own warm-up and decay. Here the same inside the one budget: the last `topk_stage` (1/5 = 10 of
+50 epochs) of the steps is a Restart (specbench/drafter.py) with a fresh AdamW and the budget's warm-up and cosine over
+its own steps, peaking at train.lr x `topk_lr_scale` (1/3 = 1e-5 / 3e-5), with the Top-K term on.
 The concatenated-steps forward also recomputes the earlier steps' outputs (unused): the gradient is the authors'
 (the earlier steps' keys/values come from the same detached inputs), at about twice the compute of step j alone.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 from drafters.distill import soft_ce, teacher_probs
 from drafters.eagle import EagleDrafter, EagleOptions
+from specbench.drafter import Restart
 from specbench.tree import additive, harmonized
 
 
@@ -67,7 +69,9 @@ class HassOptions(EagleOptions):
     steps: int = 3  # harmonized context alignment steps n
     topk: int = 10  # K of the Top-K distillation (papers/001: "K = 10")
     topk_weight: float = 1.0  # its weight (the authors' --topk_w 1)
-    topk_from_epoch: int = 1  # the Top-K term is on from this epoch (the authors' second stage)
+    topk_stage: float = 0.2  # the last fraction of the steps: the authors' second stage (10 of 50 epochs)
+    topk_lr_scale: float = 1 / 3  # its peak lr relative to the first stage's (the authors' 1e-5 after 3e-5)
+    topk_restart: bool = True  # the second stage starts a fresh optimiser and lr schedule (train.sh: a second run)
 
 
 class HassDrafter(EagleDrafter):
@@ -99,11 +103,32 @@ class HassDrafter(EagleDrafter):
         return loss, parts
 
     @classmethod
-    def training_steps(cls, module, batch, target, opts: HassOptions,
-                       epoch: int) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
+    def decoding_options(cls, options: dict) -> dict:
+        """Decoding is EAGLE's: the training-only options (steps, Top-K, schedule) are dropped, so checkpoints made
+        under earlier option names load too."""
+        keep = {f.name for f in fields(EagleOptions)}
+        return {k: v for k, v in options.items() if k in keep}
+
+    @staticmethod
+    def topk_on(opts: HassOptions, progress: float) -> bool:
+        """Whether the Top-K stage has begun: the step the Restart starts at (specbench.train.stage_starts) onward."""
+        return opts.topk_stage > 0 and progress >= 1.0 - opts.topk_stage - 1e-9
+
+    @classmethod
+    def restarts(cls, opts: HassOptions):
+        if not 0.0 <= opts.topk_stage < 1.0:
+            raise ValueError(f"hass topk_stage={opts.topk_stage} must be in [0, 1)")
+        if not (opts.topk_restart and opts.topk_stage):
+            return ()
+        return (Restart(at=1.0 - opts.topk_stage, lr_scale=opts.topk_lr_scale),)
+
+    @classmethod
+    def training_steps(cls, module, batch, target, opts: HassOptions, epoch: int,
+                       progress: float = 0.0) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
         """The n harmonized steps as n graphs, each backpropagated by the trainer before the next is built."""
+        del epoch
         emb, mask_tok, true, p = cls.step_targets(batch, target)
-        w_topk = opts.topk_weight if epoch >= opts.topk_from_epoch else 0.0
+        w_topk = opts.topk_weight if cls.topk_on(opts, progress) else 0.0
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps)
         for j, pred_all in enumerate(steps, 1):
             loss, parts = cls.step_loss(pred_all[:, :-1][mask_tok], true, p, target, opts.topk, w_topk)
@@ -113,6 +138,6 @@ class HassDrafter(EagleDrafter):
     def training_loss(cls, module, batch, target, opts: HassOptions):
         """The summed step losses as one number (for tests and tools; training backpropagates step by step)."""
         loss, parts = 0.0, {}
-        for piece, part in cls.training_steps(module, batch, target, opts, epoch=opts.topk_from_epoch):
+        for piece, part in cls.training_steps(module, batch, target, opts, epoch=0, progress=1.0 - opts.topk_stage):
             loss, parts = loss + piece, {**parts, **part}
         return loss, parts

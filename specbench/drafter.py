@@ -88,6 +88,16 @@ class NoOptions:
     """A method with nothing to set."""
 
 
+@dataclass(frozen=True)
+class Restart:
+    """A training stage that starts at `at` (a fraction of the budget's steps) with a fresh optimiser and the budget's
+    warm-up and decay over its own steps, to a peak of train.lr x `lr_scale` (HASS's train.sh: a second run from the
+    first's weights at 1e-5 where the first ran at 3e-5)."""
+
+    at: float
+    lr_scale: float = 1.0
+
+
 class TrainableDrafter(Drafter):
     """A drafter with trained weights. Each method supplies only its module, its loss and its own-prediction chain;
     the shared trainer (specbench/train.py) does data, features, optimisation, validation, checkpoints and DDP.
@@ -161,11 +171,20 @@ class TrainableDrafter(Drafter):
         """Scalar loss and named parts (for the logs)."""
 
     @classmethod
-    def training_steps(cls, module, batch, target, opts, epoch: int) -> Iterator[tuple["torch.Tensor", dict[str, float]]]:
+    def training_steps(cls, module, batch, target, opts, epoch: int,
+                       progress: float = 0.0) -> Iterator[tuple["torch.Tensor", dict[str, float]]]:
         """The losses of one batch as independent graphs, backpropagated one after another (gradients accumulate):
-        by default the single `training_loss`. `epoch` lets staged methods (Beagle, HASS) switch objectives."""
-        del epoch
+        by default the single `training_loss`. `epoch` and `progress` (the fraction of the budget's steps done, in
+        [0, 1)) let staged methods switch objectives (Beagle's late stage, HASS's Top-K stage, MoA's curriculum)."""
+        del epoch, progress
         yield cls.training_loss(module, batch, target, opts)
+
+    @classmethod
+    def restarts(cls, opts) -> tuple["Restart", ...]:
+        """Stages that start training afresh part-way through the budget: a new optimiser and a new lr schedule
+        (HASS's second stage); none by default."""
+        del opts
+        return ()
 
     @classmethod
     def validation_extras(cls, module, val, target) -> dict:

@@ -268,6 +268,24 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * done))
 
 
+def stage_starts(restarts, total_steps: int) -> list[tuple[int, float]]:
+    """(first step, lr scale) of each stage: the first at step 0, then each Restart's (TrainableDrafter.restarts)."""
+    out = [(0, 1.0)]
+    for r in sorted(restarts, key=lambda r: r.at):
+        if not 0.0 < r.at < 1.0:
+            raise SpecbenchError(f"a restart at {r.at} of the budget is not inside it (0, 1)")
+        out.append((min(total_steps, max(1, round(r.at * total_steps))), r.lr_scale))
+    return out
+
+
+def scheduled_lr(step: int, cfg: TrainConfig, total_steps: int, stages: list[tuple[int, float]]) -> float:
+    """The lr at `step`: each stage has the budget's warm-up and schedule over its own steps (lr_at), scaled."""
+    i = max(k for k, (first, _) in enumerate(stages) if first <= step)
+    first, scale = stages[i]
+    end = stages[i + 1][0] if i + 1 < len(stages) else total_steps
+    return scale * lr_at(step - first, cfg, end - first)
+
+
 def shard(order: list[int], rank: int, world: int) -> list[int]:
     """This rank's share of an epoch's order, every rank the same length (a rank with fewer batches would wait forever
     in the others' gradient all-reduce): the order is wrapped around to a multiple of `world` first, as
@@ -471,33 +489,39 @@ class Trainer:
         t0, tokens = time.perf_counter(), 0
         bar = tqdm(loader, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch",
                    disable=self.rank != 0, dynamic_ncols=True)
+        stages = stage_starts(self.cls.restarts(self.opts), total_steps)
+        fresh = {first for first, _ in stages[1:]}
         for batch in bar:
+            if step in fresh:  # a restart (HASS's second stage): the optimiser's moments and step counts from zero
+                opt.state.clear()
+                log.info("step %d: a new stage, with a fresh optimiser", step)
             batch = batch.to(dev)
             if self.online_kv:  # MoA's target K/V from the frozen target, not from disk
                 batch.kv, batch.pre = online_kv(self.target, batch.input_ids, batch.attn_mask, tc.features_dtype)
             add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, tc, total_steps)
-            loss, parts, gnorm = self._step(module, params, opt, batch, epoch, step)
+                g["lr"] = scheduled_lr(step, tc, total_steps, stages)
+            loss, parts, gnorm = self._step(module, params, opt, batch, epoch, step, step / total_steps)
             step += 1
             tokens += batch.tokens
             bar.set_postfix(loss=f"{loss:.3f}")
             if self.rank == 0 and step % tc.log_every == 0:
                 self._log(logf, {"kind": "train", "epoch": epoch, "step": step, "loss": loss, **parts,
-                                 "grad_norm": float(gnorm), "lr": lr_at(step, tc, total_steps),
+                                 "grad_norm": float(gnorm), "lr": scheduled_lr(step - 1, tc, total_steps, stages),
                                  "tokens_per_s": tokens * self.world / (time.perf_counter() - t0)})
             if tc.max_steps is not None and step >= tc.max_steps:
                 return step, tokens, True
         return step, tokens, False
 
-    def _step(self, module, params, opt, batch, epoch: int, step: int) -> tuple[float, dict, torch.Tensor]:
+    def _step(self, module, params, opt, batch, epoch: int, step: int,
+              progress: float) -> tuple[float, dict, torch.Tensor]:
         """One optimiser step -> (loss, its named parts, the gradient norm before clipping). The method sees the plain
         module and its typed options; under torchrun the gradients of every piece are averaged across ranks once,
         after the last piece's backward (what DDP does under no_sync), so a method needs no DDP-aware code."""
         tc = self.tc
         opt.zero_grad(set_to_none=True)
         loss, parts = 0.0, {}
-        pieces = self.cls.training_steps(module, batch, self.target, self.opts, epoch)
+        pieces = self.cls.training_steps(module, batch, self.target, self.opts, epoch, progress)
         for value, part in backward_pieces(pieces, tc, self.target.device, step):
             loss, parts = loss + value, {**parts, **part}
         if dist.is_initialized():

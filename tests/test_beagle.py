@@ -1,4 +1,6 @@
 """Beagle: block-attention windows, and the late-stage simulation equals drafting with predicted states ("concate")."""
+from dataclasses import replace
+
 import torch
 
 from drafters.beagle import BeagleDrafter, simulated_steps, window_starts
@@ -57,3 +59,21 @@ def test_early_stage_is_one_graph_and_late_stage_one_per_simulated_step():
     for loss, _ in late:  # independent graphs: each backpropagates alone
         loss.backward()
     assert block.q_proj.weight.grad is not None
+
+
+def test_vloss_keeps_its_coefficient_whatever_the_ce_weight():
+    """App. A.3: vloss x 10 in both stages; Eq. 4's sum over k lookaheads and Eq. 6's beta*_i weigh the CE only."""
+    target, block, ids, hidden = setup(t=20)
+    ones = torch.ones_like(ids)
+    batch = Batch(ids, ones, ones, hidden, hidden)
+    torch.manual_seed(3)
+    (early, parts), = BeagleDrafter.training_steps(block, batch, target, OPTS, epoch=0)
+    torch.manual_seed(3)
+    (no_v, _), = BeagleDrafter.training_steps(block, batch, target, replace(OPTS, vloss_weight=0.0), epoch=0)
+    torch.testing.assert_close(early - no_v, torch.tensor(OPTS.vloss_weight * parts["vloss"]), rtol=1e-4, atol=1e-5)
+    torch.manual_seed(3)
+    late = list(BeagleDrafter.training_steps(block, batch, target, OPTS, epoch=1))
+    torch.manual_seed(3)
+    late0 = list(BeagleDrafter.training_steps(block, batch, target, replace(OPTS, vloss_weight=0.0), epoch=1))
+    for i, ((a, p), (b, _)) in enumerate(zip(late, late0), 1):
+        torch.testing.assert_close(a - b, torch.tensor(OPTS.vloss_weight * p[f"vloss{i}"]), rtol=1e-4, atol=1e-5)

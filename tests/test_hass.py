@@ -1,4 +1,5 @@
 """HASS's training-time multi-step forward equals drafting step by step with the head's own KV cache."""
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -36,25 +37,25 @@ def test_training_steps_equal_decoding_with_own_features():
 
 def test_each_step_is_its_own_graph_on_detached_inputs_and_losses_sum():
     """The authors' main_hass.py: step j reads step j-1's prediction detached, is backpropagated on its own, and the
-    step losses add up; the Top-K term is off before `topk_from_epoch` and on from it."""
+    step losses add up; the Top-K term is off before the last `topk_stage` of the steps and on in it."""
     from specbench.train import Batch
 
     torch.manual_seed(0)
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
-    opts = HassDrafter.options(steps=3, topk=4, topk_from_epoch=1)
+    opts = HassDrafter.options(steps=3, topk=4, topk_stage=0.2)
     head = HassDrafter.build_module(target, opts).train()
     ids = torch.randint(0, 64, (2, 10))
     hidden = target.prefill(ids, target.new_cache()).hidden
     ones = torch.ones(2, 10, dtype=torch.long)
     batch = Batch(ids, ones, ones, hidden, hidden)
-    early = list(HassDrafter.training_steps(head, batch, target, opts, epoch=0))
-    late = list(HassDrafter.training_steps(head, batch, target, opts, epoch=1))
+    early = list(HassDrafter.training_steps(head, batch, target, opts, epoch=1, progress=0.79))
+    late = list(HassDrafter.training_steps(head, batch, target, opts, epoch=1, progress=0.8))
     assert len(early) == len(late) == 3
     assert not any(k.startswith("top") for _, parts in early for k in parts)
     assert all(f"top{j}" in late[j - 1][1] for j in (1, 2, 3))
     # step 2's gradient equals what a fresh forward on the detached step-1 prediction gives: nothing flows back
     # through step 1 (were it not detached, backward of step 2 would also reach step 1's output)
-    pieces = HassDrafter.training_steps(head, batch, target, opts, epoch=0)
+    pieces = HassDrafter.training_steps(head, batch, target, opts, epoch=0, progress=0.0)
     first, _ = next(pieces)
     head.zero_grad()
     first.backward()
@@ -82,3 +83,26 @@ def test_eagle_head_is_the_authors_layout():
     no_bias = EagleDrafter.build_module(target, EagleDrafter.options(bias=False, rms_norm_eps=1e-5))
     assert "fc.bias" not in no_bias.state_dict()
     assert no_bias.body.layers[0].post_attention_layernorm.variance_epsilon == 1e-5
+
+
+def test_the_top_k_stage_is_the_authors_second_run():
+    """train.sh: 40 epochs without the Top-K term, then 10 with it at lr 1e-5 (3e-5 before), from a fresh optimiser:
+    a Restart at 4/5 of the budget scaled 1/3; the term switches on at the very step the restart starts."""
+    from specbench.config import TrainConfig
+    from specbench.drafter import Restart
+    from specbench.train import scheduled_lr, stage_starts
+
+    opts = HassDrafter.options()
+    assert HassDrafter.restarts(opts) == (Restart(at=0.8, lr_scale=1 / 3),)
+    stages = stage_starts(HassDrafter.restarts(opts), 1600)
+    assert stages == [(0, 1.0), (1280, 1 / 3)]
+    on = [s for s in range(1600) if HassDrafter.topk_on(opts, s / 1600)]
+    assert on[0] == 1280 and len(on) == 320
+    tc = TrainConfig(lr=3e-4, warmup_steps=20, lr_schedule="cosine")
+    assert scheduled_lr(1279, tc, 1600, stages) < 3e-4 * 0.1  # the first stage decays to ~0 at its own end
+    assert scheduled_lr(1280, tc, 1600, stages) == pytest.approx(1e-4 / 20)  # warm-up again, to 1e-4
+    assert scheduled_lr(1299, tc, 1600, stages) == pytest.approx(1e-4)
+    assert HassDrafter.restarts(HassDrafter.options(topk_restart=False)) == ()
+    # CORAL is HASS's trainer without the Top-K stage
+    from drafters.coral import CoralDrafter
+    assert CoralDrafter.restarts(CoralDrafter.options()) == ()

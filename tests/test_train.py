@@ -531,3 +531,17 @@ def test_each_rank_sets_its_gpu_before_nccl_starts(make_cfg, tmp_path, sharegpt_
     with pytest.raises(Started):
         Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file)))
     assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]
+
+
+def test_a_restart_starts_a_fresh_optimiser_and_schedule(make_cfg, tmp_path, sharegpt_file):
+    """HASS's Top-K stage (a Restart at 4/5 of the budget): the last checkpoint's AdamW counts only the steps since
+    the restart, the logged lr warms up again to a third of the peak, and the Top-K term appears from that step."""
+    final = Trainer(make_cfg("drafter=hass", *train_overrides(tmp_path, sharegpt_file, **{"train.lr": 3e-3}))).run()
+    rows = [r for r in read_jsonl(final.parent / "log.jsonl") if r["kind"] == "train"]
+    total = rows[-1]["step"]
+    first = round(0.8 * total)
+    state = torch.load(final.parent / "last" / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
+    assert {int(s["step"]) for s in state.values()} == {total - first}
+    lr = {r["step"]: r["lr"] for r in rows}  # the lr the step ran with (logged after it)
+    assert lr[first + 1] == pytest.approx(1e-3 / 2) and lr[first] < 1e-3 / 2
+    assert all(("top1" in r) == (r["step"] > first) for r in rows)
