@@ -1,112 +1,231 @@
-"""MoA, Mixture of Attentions (Zimmer et al., papers/002 Sec. 3, App. A.1, A.3).
+"""MoA, Mixture of Attentions (Zimmer et al., papers/002 Sec. 3, App. A.1, A.3), as its authors' code builds it
+(huawei-noah/HEBO, branch mixture-of-attentions: moa_spec/models/{train,inference}/moa_spec.py, cross_attention.py).
 
 Information flow (Fig. 1, Algorithm 1):
-  Layer Self-Attention (LSA): per verified token, the target's per-layer (K, V) [L, 2 E_kv] attend to each other across
-    layers (bidirectional), then a mean over layers -> [2 E_kv]; computed once per drafting cycle for the newly
-    verified tokens only (their activations do not change afterwards).
-  Self-Attention (SA): causal self-attention over the token embeddings (prompt, verified and drafted tokens; tree
-    mask while drafting) -> the draft queries.
-  Cross-Attention (CA): SA outputs attend to the LSA outputs of verified tokens only (T-step bounded: drafted tokens
-    have no target activations) -> o^_{L+1-TLI}, the activation entering the last TLI target layers.
+  Layer Self-Attention (LSA): per verified token, the target's per-layer K/V rows [L, 2 E_kv] (per KV head [K_h|V_h],
+    heads side by side: the authors' `cat(kv, -1).permute(0, 2, 1, 3)`) go through a stock decoder layer of the
+    target's family at width 2 E_kv: input and post-attention RMSNorms, RoPE over the layer index, bidirectional
+    attention across the L layers, a gated MLP. Then the mean over layers and `Ekv2E` (Linear 2 E_kv -> E, biased).
+    Computed once per drafting cycle for the newly verified tokens only (their activations do not change afterwards).
+  Self-Attention (SA): a stock decoder layer at width E (its own K/V head count and MLP) over the token embeddings of
+    the prompt, verified and drafted tokens (tree mask while drafting) -> the draft queries.
+  Cross-Attention (CA): the authors' LlamaDecoderLayerCrossAttention: one input RMSNorm applied to the queries (SA
+    outputs) and to the keys (Ekv2E outputs) alike, q/k/v/o projections without bias, RoPE at each side's positions,
+    the post-attention RMSNorm and a gated MLP; queries see the activations of verified tokens only -> o^.
   Target Layer Inference (TLI, Sec. 3.2): for TLI > 0 the last TLI target layers (frozen, shared) run on o^ with the
     target's cached K/V of verified tokens plus the drafter's own K/V of the drafted path, then the final norm and
     LM head; TLI = 0 feeds o^ to the LM head directly.
-Training (Sec. 3.3, App. A.1): CA mask T-step bounded, the sequence cut into blocks of K ~ U{5..15} tokens whose
-queries see activations only before their block (what drafting K tokens after a verification sees); loss
-lambda0 KL(p_target || q) + lambda1 SmoothL1(o^, o) with lambda0 = 0.1, lambda1 = 1.0 (Table 6), where o is the
-target's activation at the same place (its last hidden state for TLI = 0, the residual input of layer L+1-TLI else;
-the features store both). During training the TLI layers see the true K/V before the block and the predicted K/V of
-the block's own earlier positions, as while drafting.
-Dimensions are Table 6's ratios scaled to the target (conf/drafter/moa.yaml): LSA width 2 E_kv with MLP 3x;
-SA with the target's heads, one K/V head, MLP E/8; CA with the target's head counts, MLP 1.75 E.
-Deviations: LSA adds a learned per-layer embedding (attention over layers is otherwise order-blind; the paper does
-not say); CA uses RoPE at both sides' positions (as our Beagle block).
+Parameter names are the authors' (`layer_self_attention.*`, `Ekv2E.*`, `self_attention.*`, `cross_attention.*`), so
+their published checkpoint (huawei-noah/MOASpec-Llama-3-8B-Instruct) loads as it is: `load_authors_moa` reads every
+width and head count from its tensors (the LSA's query heads by the authors' rule, the target's head count).
+
+Training (the authors' moa_spec.py forward and trainer):
+  - blocks: per sequence `every` ~ randint(6, 15) (6..14); positions i with i % every == 0, and every non-answer
+    position, are block starts; a query sees target activations up to the last block start at or before it
+    (start(i) <= i: a block-start query sees its own, and is trained like every answer position);
+  - the SA "staircase" curriculum: a sequence's SA sees only its own block (and itself) with probability
+    1 - progress / 0.5, else it is causal (the authors' epoch / (max_epochs / 2) over their 40 epochs, here the
+    fraction of the budget's steps: our 2 epochs would make it a step);
+  - loss (Table 6, Eq. 2): 0.1 x CE to the target's next-token law (the authors' "forward_KL", -sum p log q) +
+    SmoothL1 of the final feature (the LM head's input) to the target's last hidden state; with TLI > 0 the feature
+    term is 0.5 x that + 0.5 x SmoothL1 of o^ to the input of the first TLI layer; over every answer position;
+  - gradients clipped to norm 1.0, AdamW without weight decay (their trainer.yaml; conf/drafter/moa.yaml);
+  - init as theirs: Linear weights and RMSNorm weights ~ N(0, initializer_range), biases 0 (HF's `_init_weights` of
+    their class, which they extended to the RMSNorms).
+Where we differ, and why:
+  - TLI during training: the TLI layers see the true K/V up to the block start and the block's own predicted
+    positions, which is what drafting sees (the training prediction equals the decoding path, tests/test_moa.py).
+    The authors run them causally over the predicted inputs of every earlier position (true at block starts only;
+    their comment: "assume errors because fully on-policy needs multiple forward pass"): our features hold the true
+    K/V of every layer, so the on-policy mask costs nothing here.
+  - lr schedule: the budget's (warm-up, cosine) as every method's; theirs warms up to 20 x lr and decays to lr over
+    one epoch, then stays there.
+  - widths for SmolLM2 (E 576, E_kv 192, 9 heads of 64, 3 KV heads): Table 6's ratios to Llama-3-8B (conf/drafter/
+    moa.yaml). Their rule for the LSA (the target's 9 query heads at width 2 E_kv = 384) gives a head size of 42.7;
+    we take heads of 64, the head size of their own Llama-3-8B instance (2048 / 32): 6, with 3 KV heads (Table 6's
+    1024 / 2048 of the width).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from specbench.checkpoints import check_keys, resolve, weight_file
 from specbench.drafter import KV, TrainableDrafter
-from drafters.distill import kl, teacher_probs, top1
-from drafters.layers import CrossAttentionBlock, one_layer_decoder, target_layer
+from specbench.errors import SpecbenchError
+from drafters.distill import soft_ce, teacher_probs, top1
+from drafters.layers import target_layer
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.target import kv_per_token
-from specbench.tree import in_block, tree_attention_mask, up_to_start, visible
+from specbench.tree import additive, tree_attention_mask, visible
 from specbench.types import DraftTree, TargetState, VerifyResult
 
 
-class LayerSelfAttention(nn.Module):
-    """[N, L, D] per-token stacks of per-layer (K, V) -> [N, D]: attention across layers, then the mean."""
+def _dims(cfg) -> tuple[int, int, int, int]:
+    """(E, query heads, KV heads, head size) of a target config."""
+    nh = cfg.num_attention_heads
+    nkv = getattr(cfg, "num_key_value_heads", None) or nh
+    return cfg.hidden_size, nh, nkv, getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
 
-    def __init__(self, layers: int, dim: int, head_dim: int, mlp: int, norm: type, eps: float):
+
+def _sub_config(target, plain_rope: bool, **overrides):
+    """The target's config with `overrides` (a layer of another width or head count), sdpa attention. plain_rope:
+    RoPE without the target's scaling, at its base (the authors' CA resets rope_scaling on the config it shares with
+    the LSA, built after it)."""
+    base = target.model.config
+    d = base.to_dict()
+    if plain_rope:
+        theta = ((d.get("rope_parameters") or {}).get("rope_theta") or d.get("rope_theta") or 10000.0)
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        d["rope_scaling"] = None
+    cfg = base.__class__.from_dict({**d, **overrides})
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class _Projections(nn.Module):
+    """q/k/v/o of the authors' LlamaCrossAttention (named `self_attn`, as in their checkpoint)."""
+
+    def __init__(self, e: int, heads: int, kv_heads: int, head_dim: int):
         super().__init__()
-        self.heads = max(1, dim // head_dim)
-        if dim % self.heads:
-            raise ValueError(f"LSA width {dim} is not a multiple of lsa_head_dim={head_dim}")
-        self.in_norm, self.norm1, self.norm2 = norm(dim, eps=eps), norm(dim, eps=eps), norm(dim, eps=eps)
-        self.layer_emb = nn.Parameter(torch.zeros(layers, dim))
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.o = nn.Linear(dim, dim)
-        self.up, self.down = nn.Linear(dim, mlp), nn.Linear(mlp, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, l, d = x.shape
-        x = self.in_norm(x) + self.layer_emb
-        q, k, v = self.qkv(self.norm1(x)).view(n, l, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        x = x + self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, l, d))
-        x = x + self.down(F.silu(self.up(self.norm2(x))))
-        return x.mean(1)
+        self.q_proj = nn.Linear(e, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(e, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(e, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, e, bias=False)
 
 
-class MoAModule(nn.Module):
-    def __init__(self, target, tli: int, lsa_head_dim: int, lsa_mlp: int, sa_kv_heads: int, sa_mlp: int, ca_mlp: int):
+class CrossAttention(nn.Module):
+    """The authors' CA layer: one input RMSNorm for queries and keys, projections from E, RoPE at both sides'
+    positions, residual, post-attention RMSNorm, gated MLP. Queries [B, Q, E], activations [B, K, E]."""
+
+    def __init__(self, target, cfg):
         super().__init__()
-        cfg = target.model.config
-        nh = cfg.num_attention_heads
-        nkv = getattr(cfg, "num_key_value_heads", None) or nh
-        dh = getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
-        self.tli, self.layers, self.kv_dim = tli, cfg.num_hidden_layers, 2 * nkv * dh
-        self.lsa = LayerSelfAttention(self.layers, self.kv_dim, lsa_head_dim, lsa_mlp, type(target.decoder.norm),
-                                      cfg.rms_norm_eps)
-        self.sa = one_layer_decoder(target, num_key_value_heads=sa_kv_heads, intermediate_size=sa_mlp)
-        self.ca = CrossAttentionBlock(target, kv_dim=self.kv_dim, intermediate=ca_mlp)
+        e, nh, nkv, dh = _dims(cfg)
+        self.nh, self.nkv, self.dh = nh, nkv, dh
+        norm = type(target.decoder.norm)
+        self.self_attn = _Projections(e, nh, nkv, dh)
+        self.mlp = type(target.decoder.layers[0].mlp)(cfg)
+        self.input_layernorm, self.post_attention_layernorm = norm(e, eps=cfg.rms_norm_eps), norm(e, eps=cfg.rms_norm_eps)
+        self.rotary = type(target.decoder.rotary_emb)(config=cfg)
 
-    def forward(self, emb: torch.Tensor, pos: torch.Tensor, sa_mask: torch.Tensor | None, lsa_in: torch.Tensor,
-                ca_allowed: torch.Tensor) -> torch.Tensor:
-        """Training: emb [B, T, H], pos [B, T], sa_mask (HF attention mask for SA), lsa_in [B, T, L, 2E_kv],
-        ca_allowed [B, 1, T, T] -> o^ [B, T, H]."""
-        b, t = emb.shape[:2]
-        states = self.lsa(lsa_in.reshape(b * t, self.layers, -1)).view(b, t, -1)
-        q = self.sa(inputs_embeds=emb, position_ids=pos, attention_mask=sa_mask).last_hidden_state
-        return self.ca(q, pos, ca_allowed, states=states, states_pos=pos)
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(x, pos)
+        return apply_rotary_pos_emb(x, x, cos, sin)[0]
 
+    def keys(self, states: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Activations [B, K, E] at positions pos [B, K] -> K, V [B, nkv, K, dh] (RoPE on K): cached while drafting."""
+        b, n, _ = states.shape
+        x = self.input_layernorm(states)
+        k = self.self_attn.k_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
+        v = self.self_attn.v_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
+        return self._rope(k, pos), v
 
-def bounded_starts(length: int, low: int, high: int, gen: torch.Generator | None, device) -> torch.Tensor:
-    """n(q) for every position: blocks of K ~ U{low..high} tokens tile positions 1..length-1; a query sees target
-    activations up to n(q) = (its block's first position) - 1. Position 0 gets -1 (nothing to see)."""
-    starts, s = torch.full((length,), -1, dtype=torch.long), 1
-    while s < length:
-        k = int(torch.randint(low, high + 1, (1,), generator=gen))
-        starts[s : s + k] = s - 1
-        s += k
-    return starts.to(device)
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, Q, E] at pos [B, Q], kv from `keys`, allowed [B|1, 1, Q, K] bool -> [B, Q, E]."""
+        b, n, _ = x.shape
+        q = self.self_attn.q_proj(self.input_layernorm(x)).view(b, n, self.nh, self.dh).transpose(1, 2)
+        o = F.scaled_dot_product_attention(self._rope(q, pos), *kv, attn_mask=allowed, enable_gqa=self.nh != self.nkv)
+        y = x + self.self_attn.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.dh))
+        return y + self.mlp(self.post_attention_layernorm(y))
 
 
 @dataclass
 class MoAOptions:
     tli: int = 0  # target layers run after the drafter (0: the drafter predicts the last hidden state)
-    lsa_head_dim: int = 64
+    lsa_head_dim: int | None = None  # LSA head size (None: 2 E_kv / the target's query heads, the authors' rule)
+    lsa_kv_heads: int | None = None  # None: half the LSA's query heads when even (Table 6: 1024 of 2048), else all
     lsa_mlp: int = 1152
     sa_kv_heads: int = 1
     sa_mlp: int = 72
+    ca_kv_heads: int | None = None  # None: the target's
     ca_mlp: int = 1008
-    block_min: int = 5  # training: the T-step-bounded CA mask's block sizes ~ U{block_min..block_max} (Table 6)
-    block_max: int = 15
+    # training (the authors' moa_spec.py): block lengths ~ randint(block_min, block_max + 1) per sequence
+    block_min: int = 6
+    block_max: int = 14
+    staircase: bool = True  # the SA curriculum (their `staircase_mask: True`)
+    staircase_until: float = 0.5  # the fraction of the budget by which it has faded out (their max_epochs / 2)
+    tli_final_weight: float = 0.5  # TLI > 0: this x the final-feature loss + (1 - this) x the pre-TLI one
+
+
+class MoAModule(nn.Module):
+    """The authors' MOASpec drafter weights: `layer_self_attention`, `Ekv2E`, `self_attention`, `cross_attention`."""
+
+    def __init__(self, target, opts: MoAOptions):
+        super().__init__()
+        cfg = target.model.config
+        e, nh, nkv, dh = _dims(cfg)
+        self.tli, self.layers, self.kv_dim = opts.tli, cfg.num_hidden_layers, 2 * nkv * dh
+        layer = type(target.decoder.layers[0])
+        sa_cfg = _sub_config(target, False, num_key_value_heads=opts.sa_kv_heads, intermediate_size=opts.sa_mlp)
+        self.self_attention = layer(sa_cfg, 0)
+        self.sa_rotary = type(target.decoder.rotary_emb)(config=sa_cfg)
+        ca_cfg = _sub_config(target, True, num_key_value_heads=opts.ca_kv_heads or nkv, intermediate_size=opts.ca_mlp,
+                             attention_bias=False, mlp_bias=False)
+        self.cross_attention = CrossAttention(target, ca_cfg)
+        head_dim = opts.lsa_head_dim or self.kv_dim // nh
+        heads = max(1, self.kv_dim // head_dim)  # (one head of the whole width where it is narrower than a head)
+        if self.kv_dim % heads:
+            raise ValueError(f"the LSA width 2 E_kv = {self.kv_dim} does not split into heads of "
+                             f"lsa_head_dim={head_dim}: set drafter.module.lsa_head_dim")
+        kv_heads = opts.lsa_kv_heads or (heads // 2 if heads % 2 == 0 else heads)
+        lsa_cfg = _sub_config(target, True, hidden_size=self.kv_dim, num_attention_heads=heads,
+                              head_dim=self.kv_dim // heads, num_key_value_heads=kv_heads,
+                              intermediate_size=opts.lsa_mlp)
+        self.layer_self_attention = layer(lsa_cfg, 0)
+        self.lsa_rotary = type(target.decoder.rotary_emb)(config=lsa_cfg)
+        self.Ekv2E = nn.Linear(self.kv_dim, e)
+        self._authors_init(cfg.initializer_range)
+
+    def _authors_init(self, std: float) -> None:
+        """Their `_init_weights`: Linear and RMSNorm weights ~ N(0, std), biases 0."""
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight.normal_(0.0, std)
+                    if m.bias is not None:
+                        m.bias.zero_()
+                elif type(m).__name__.endswith("RMSNorm"):
+                    m.weight.normal_(0.0, std)
+
+    def lsa(self, per_layer: torch.Tensor) -> torch.Tensor:
+        """[N, L, 2 E_kv] per-token stacks of per-layer K/V -> [N, E]: the LSA layer over the layers (RoPE at the
+        layer index, every layer sees every other), their mean, Ekv2E."""
+        n, l, _ = per_layer.shape
+        pos = torch.arange(l, device=per_layer.device)[None]
+        both = torch.zeros(1, 1, l, l, dtype=per_layer.dtype, device=per_layer.device)  # additive: all visible
+        x = self.layer_self_attention(per_layer, attention_mask=both, position_ids=pos,
+                                      position_embeddings=self.lsa_rotary(per_layer, pos))
+        return self.Ekv2E(x.mean(1))
+
+    def sa(self, emb: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+           cache: DynamicCache | None = None) -> torch.Tensor:
+        """SA layer: emb [B, Q, E] at pos [B, Q], additive mask [B|1, 1, Q, K] -> [B, Q, E] (appended to `cache`)."""
+        return self.self_attention(emb, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                                   use_cache=cache is not None, position_embeddings=self.sa_rotary(emb, pos))
+
+
+def block_starts(loss_mask: torch.Tensor, every: torch.Tensor) -> torch.Tensor:
+    """start(i) for every position: the last block start at or before i, where block starts are the non-answer
+    positions and the answer positions i with i % every == 0 (the authors' `response_mask_noisy == 0`, cummax).
+    loss_mask [B, T], every [B] -> [B, T]."""
+    idx = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    brk = (loss_mask == 0) | (idx[None] % every[:, None] == 0)
+    return torch.cummax(torch.where(brk, idx[None], 0), dim=1).values
+
+
+def staircase_rows(batch_size: int, progress: float, until: float, device) -> torch.Tensor:
+    """Which sequences' SA sees only its own block: each with probability 1 - progress / until (0 once faded)."""
+    p = min(1.0, progress / until) if until > 0 else 1.0
+    return ~(torch.rand(batch_size, device=device) < p)
 
 
 class MoADrafter(TrainableDrafter):
@@ -133,62 +252,93 @@ class MoADrafter(TrainableDrafter):
         self.sa_len = 0
         self.tli_kv: list[list[torch.Tensor]] = []  # per TLI layer [K, V] [1, nkv, n, dh]
 
-    # ---- training side -------------------------------------------------------------------------------------------
+    # ---- weights -------------------------------------------------------------------------------------------------
     @classmethod
     def build_module(cls, target, opts: MoAOptions) -> MoAModule:
         if not 0 <= opts.tli < target.model.config.num_hidden_layers:
             raise ValueError(f"tli={opts.tli} must be in [0, {target.model.config.num_hidden_layers})")
-        return MoAModule(target, opts.tli, opts.lsa_head_dim, opts.lsa_mlp, opts.sa_kv_heads, opts.sa_mlp,
-                         opts.ca_mlp).to(target.device)
-
-    @staticmethod
-    def _layer_kv(kv: torch.Tensor, layer: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features [B, T, L, 2 nkv dh] -> the layer's (K, V) [B, nkv, T, dh]."""
-        b, t = kv.shape[:2]
-        k, v = kv[:, :, layer].chunk(2, -1)
-        return k.reshape(b, t, nkv, -1).transpose(1, 2), v.reshape(b, t, nkv, -1).transpose(1, 2)
+        return MoAModule(target, opts).to(target.device)
 
     @classmethod
-    def predict(cls, net, target, ids, kv, pre_pad, starts, rows: torch.Tensor | None = None):
-        """Teacher-forced T-step-bounded prediction: ids [B, T], kv [B, T, L, 2E_kv], pre_pad [B, T] (1 = real),
-        starts [T] = n(q) -> (o^ [B, T, H], logits [B, T, V]); with `rows` [B, T] bool the 49k-row LM head runs only
-        there (logits [M, V]: training needs them at loss positions only)."""
+    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
+        """The project's checkpoints, or the authors' published layout (a target config.json beside `Ekv2E.*`)."""
+        if checkpoint and is_authors_layout(resolve(checkpoint)):
+            tli = int((options or {}).get("tli", 0))  # their checkpoint does not record it: the YAML's
+            return load_authors_moa(resolve(checkpoint), target, tli).eval().requires_grad_(False)
+        return super().load_module(target, checkpoint, options)
+
+    # ---- training side -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _layer_kv(kv: torch.Tensor, layer: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features [B, T, L, nkv * 2dh] ([K_h|V_h] per head) -> the layer's (K, V) [B, nkv, T, dh]."""
+        b, t = kv.shape[:2]
+        k, v = kv[:, :, layer].reshape(b, t, nkv, -1).chunk(2, -1)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    @classmethod
+    def predict(cls, net, target, ids, kv, pre_pad, starts, staircase: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None):
+        """Teacher-forced prediction: ids [B, T], kv [B, T, L, 2E_kv], pre_pad [B, T] (1 = real), starts [B, T] =
+        start(i), staircase [B] bool (SA within the block) -> (o^ [B, T, E], the LM head's input [B, T, E], logits);
+        with `rows` [B, T] bool the 49k-row LM head and the outputs are taken there only ([M, ...])."""
         b, t = ids.shape
         dev = ids.device
         idx = torch.arange(t, device=dev)
         pos = idx[None].expand(b, -1)
         real = pre_pad.bool()
-        ca_allowed = up_to_start(starts, real)  # [B, T, T] activations before the block
-        out = net(target.decoder.embed_tokens(ids), pos, pre_pad, kv, ca_allowed[:, None])
+        causal = (idx[None, :] <= idx[:, None])[None] & real[:, None, :]  # [B, T, T]
+        ca_allowed = (idx[None, None, :] <= starts[:, :, None]) & real[:, None, :]  # activations up to start(i)
+        own = (idx[None, None, :] > starts[:, :, None]) & causal  # the block's own positions, up to itself
+        sa_allowed = causal
+        if staircase is not None:
+            sa_allowed = torch.where(staircase[:, None, None], own | torch.eye(t, dtype=torch.bool, device=dev), causal)
+        wdt = net.Ekv2E.weight.dtype
+        acts = net.lsa(kv.reshape(b * t, net.layers, -1).to(wdt)).view(b, t, -1)
+        emb = target.decoder.embed_tokens(ids).to(wdt)
+        q = net.sa(emb, pos, additive(sa_allowed[:, None], wdt))
+        out = net.cross_attention(q, pos, ca_allowed[:, None], net.cross_attention.keys(acts, pos))
         x = out
         if net.tli:
             nkv = target.decoder.layers[0].self_attn.k_proj.out_features // target.decoder.layers[0].self_attn.head_dim
             first = len(target.decoder.layers) - net.tli
-            see_pred = in_block(starts, include_self=True)  # the block's own drafted path, up to itself
-            allowed = torch.cat([ca_allowed, see_pred[None].expand(b, -1, -1) & real[:, None, :]], -1)[:, None]
+            allowed = torch.cat([ca_allowed, own], -1)[:, None]  # true K/V up to start(i), predicted after it
             for i, layer in enumerate(target.decoder.layers[first:]):
                 k, v = cls._layer_kv(kv, first + i, nkv)
                 x, _, _ = target_layer(layer, target.decoder.rotary_emb, x, pos, k, v, allowed)
-        x = target.decoder.norm(x) if net.tli else x
+            x = target.decoder.norm(x)
         if rows is not None:
-            x = x[rows]
-        return out, target.lm_head(x.to(target.dtype)).float()
+            out, x = out[rows], x[rows]
+        return out, x, target.lm_head(x.to(target.dtype)).float()
+
+    @classmethod
+    def training_steps(cls, module, batch, target, opts: MoAOptions, epoch: int, progress: float = 0.0):
+        del epoch
+        b = batch.input_ids.shape[0]
+        dev = batch.input_ids.device
+        every = torch.randint(opts.block_min, opts.block_max + 1, (b,), device=dev)
+        starts = block_starts(batch.loss_mask * batch.attn_mask, every)
+        stair = staircase_rows(b, progress, opts.staircase_until, dev) if opts.staircase else None
+        rows = (batch.loss_mask * batch.attn_mask).bool()  # every answer position (the authors' response_mask)
+        out, final, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts, stair,
+                                         rows)
+        p = teacher_probs(target, batch.hidden[rows])  # [M, V]
+        logq = logits.log_softmax(-1)
+        ce = soft_ce(p, logq)
+        feat = F.smooth_l1_loss(final, batch.hidden[rows].to(final.dtype), reduction="none").mean(-1).mean()
+        parts = {"ce": ce.item(), "feat": feat.item(), "top1": top1(logq, p)}
+        if module.tli:
+            pre = batch.pre[:, :, module.tli - 1][rows]
+            prev = F.smooth_l1_loss(out, pre.to(out.dtype), reduction="none").mean(-1).mean()
+            feat = opts.tli_final_weight * feat + (1 - opts.tli_final_weight) * prev
+            parts["prev_feat"] = prev.item()
+        if stair is not None:
+            parts["staircase"] = stair.float().mean().item()
+        yield cls.lambda_kl * ce + cls.lambda_reg * feat, parts
 
     @classmethod
     def training_loss(cls, module, batch, target, opts: MoAOptions):
-        t = batch.input_ids.shape[1]
-        starts = bounded_starts(t, opts.block_min, opts.block_max, None, batch.input_ids.device)
-        rows = torch.zeros_like(batch.attn_mask, dtype=torch.bool)
-        rows[:, :-1] = batch.loss_mask[:, 1:].bool()  # the query at q predicts t_{q+1}
-        rows &= (starts >= 0)[None]
-        out, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts, rows)
-        true = batch.hidden if module.tli == 0 else batch.pre[:, :, module.tli - 1]
-        p = teacher_probs(target, batch.hidden[rows])  # [M, V]
-        logq = logits.log_softmax(-1)
-        kl_loss = kl(p, logq)
-        reg = F.smooth_l1_loss(out[rows], true[rows], reduction="none").mean(-1).mean()
-        return cls.lambda_kl * kl_loss + cls.lambda_reg * reg, {"kl": kl_loss.item(), "reg": reg.item(),
-                                                                "top1": top1(logq, p)}
+        """The loss at the end of the curriculum (no staircase), for tests and tools."""
+        return next(cls.training_steps(module, batch, target, opts, epoch=0, progress=1.0))
 
     @classmethod
     @torch.no_grad()
@@ -214,7 +364,10 @@ class MoADrafter(TrainableDrafter):
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState | None) -> None:
         self.reset()
-        self.sa_cache = DynamicCache(config=self.net.sa.config)
+        self.sa_cache = DynamicCache()
+
+    def _wdt(self) -> torch.dtype:
+        return self.net.Ekv2E.weight.dtype
 
     def _absorb(self, state: TargetState) -> None:
         """LSA (+ CA keys) and TLI caches for the activations verified since the last cycle."""
@@ -223,10 +376,9 @@ class MoADrafter(TrainableDrafter):
             return
         new = slice(self.acts, n)
         per_layer = [kv_per_token(k[0, :, new], v[0, :, new]) for k, v in state.kv]  # L x [m, 2E_kv]
-        wdt = self.net.ca.q_proj.weight.dtype
-        states = self.net.lsa(torch.stack(per_layer, 1).to(wdt))[None]  # [1, m, 2E_kv]
+        acts = self.net.lsa(torch.stack(per_layer, 1).to(self._wdt()))[None]  # [1, m, E]
         pos = torch.arange(self.acts, n, device=self.device)[None]
-        k, v = self.net.ca.keys(states, pos)
+        k, v = self.net.cross_attention.keys(acts, pos)
         self.ca_kv = (k, v) if self.ca_kv is None else (torch.cat([self.ca_kv[0], k], 2), torch.cat([self.ca_kv[1], v], 2))
         first = len(state.kv) - self.net.tli
         for i in range(self.net.tli):
@@ -242,14 +394,13 @@ class MoADrafter(TrainableDrafter):
         """Draft rows tokens [R] at position pos: SA over the tree (sa_seen [R, S]: the drafted SA slots each row sees
         besides the verified tokens, itself included), CA over verified activations, TLI layers (tli_seen [R, S']: its
         TLI slots besides the verified activations, the root's own first) -> logits [R, V]."""
-        wdt = self.net.ca.q_proj.weight.dtype
+        wdt = self._wdt()
         r = tokens.shape[0]
         p = torch.full((1, r), pos, device=self.device)
-        q = self.net.sa(inputs_embeds=self.embed(tokens[None]).to(wdt), past_key_values=self.sa_cache,
-                        position_ids=p, attention_mask=tree_attention_mask(sa_seen, self.sa_len, wdt),
-                        use_cache=True).last_hidden_state
+        q = self.net.sa(self.embed(tokens[None]).to(wdt), p, tree_attention_mask(sa_seen, self.sa_len, wdt),
+                        self.sa_cache)
         ca_allowed = visible(torch.zeros(r, 0, dtype=torch.bool, device=self.device), self.acts)  # every activation
-        x = self.net.ca(q, p, ca_allowed, kv=self.ca_kv)
+        x = self.net.cross_attention(q, p, ca_allowed, self.ca_kv)
         if self.net.tli:
             allowed = visible(tli_seen, self.acts)  # [1, 1, R, acts + S']
             for i, layer in enumerate(self.tli_layers):
@@ -263,11 +414,13 @@ class MoADrafter(TrainableDrafter):
         """Absorb new activations, run SA over the new verified tokens (the root last), draft the root's row."""
         self._absorb(state)
         n = toks.shape[1]
-        wdt = self.net.ca.q_proj.weight.dtype
-        new = toks[:, self.sa_len : n - 1]
-        if new.shape[1]:
-            self.net.sa(inputs_embeds=self.embed(new).to(wdt), past_key_values=self.sa_cache,
-                        position_ids=torch.arange(self.sa_len, n - 1, device=self.device)[None], use_cache=True)
+        wdt = self._wdt()
+        m = n - 1 - self.sa_len
+        if m > 0:  # causal over the new verified tokens, after the cached ones
+            seen = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
+            self.net.sa(self.embed(toks[:, self.sa_len : n - 1]).to(wdt),
+                        torch.arange(self.sa_len, n - 1, device=self.device)[None],
+                        tree_attention_mask(seen, self.sa_len, wdt), self.sa_cache)
             self.sa_len = n - 1
         # the root's TLI slot; in validation chains earlier drafted tokens stay in the TLI caches and are seen too
         own = (self.tli_kv[0][0].shape[2] if self.net.tli else self.acts) + 1 - self.acts
@@ -302,3 +455,70 @@ class MoADrafter(TrainableDrafter):
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         pass  # everything the next cycle needs is read from state.kv / state.tokens in propose
+
+
+# ---- the authors' published layout -----------------------------------------------------------------------------------
+# huawei-noah/MOASpec-Llama-3-8B-Instruct: `save_pretrained` of their MOASpecLlamaForCausalLM with the state dict cut to
+# the drafter's tensors: config.json is the target's Llama config (their constructor's widths are arguments, not config
+# fields), model.safetensors holds `layer_self_attention.*`, `Ekv2E.*`, `self_attention.*`, `cross_attention.*`.
+AUTHORS_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")
+
+
+def is_authors_layout(path: Path) -> bool:
+    """A config.json without the project's `drafter` metadata beside a weight file."""
+    cfg = path / "config.json"
+    return cfg.is_file() and weight_file(path) is not None and "drafter" not in json.loads(cfg.read_text())
+
+
+def load_authors_moa(path: Path, target, tli: int) -> MoAModule:
+    """Build the module the checkpoint's tensors describe (every width and head count read from them; the LSA's query
+    heads by the authors' rule, the target's count) and load it; each misfit is one line naming it."""
+    cfg = json.loads((path / "config.json").read_text())
+    base = target.model.config
+    for key in AUTHORS_FIELDS:
+        theirs, ours = cfg.get(key), getattr(base, key, None)
+        if key == "num_key_value_heads":  # absent in older configs: as many as the attention heads
+            theirs, ours = theirs or cfg.get("num_attention_heads"), ours or base.num_attention_heads
+        if theirs != ours:
+            raise SpecbenchError(f"checkpoint {path} is a MoA drafter for {key}={theirs}; the target {target.name!r} "
+                                 f"has {ours}")
+    # RoPE's base: the SA runs at the target's positions with the base it was trained with
+    theirs = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    ours = float((getattr(base, "rope_parameters", None) or {}).get("rope_theta")
+                 or getattr(base, "rope_theta", None) or 10000.0)
+    if theirs != ours:
+        raise SpecbenchError(f"checkpoint {path} is a MoA drafter for rope_theta={theirs:g}; the target "
+                             f"{target.name!r} has {ours:g}")
+    file = weight_file(path)
+    state = (load_file(str(file)) if file.suffix == ".safetensors"
+             else torch.load(file, map_location="cpu", weights_only=True))
+    if "Ekv2E.weight" not in state:
+        raise SpecbenchError(f"checkpoint {path} is not a MoA drafter in its authors' layout (no Ekv2E.weight)")
+    e, nh, nkv, dh = _dims(base)
+    if tuple(state["Ekv2E.weight"].shape) != (e, 2 * nkv * dh):
+        raise SpecbenchError(f"checkpoint {path}: Ekv2E.weight is {tuple(state['Ekv2E.weight'].shape)}, the target "
+                             f"{target.name!r} needs {(e, 2 * nkv * dh)} (E, 2 E_kv)")
+
+    def width(key: str, per: int) -> int:
+        if key not in state:
+            raise SpecbenchError(f"checkpoint {path} does not fit a MoA drafter: missing {key!r}")
+        return state[key].shape[0] // per
+
+    lsa_dim = 2 * nkv * dh // nh
+    opts = MoAOptions(tli=tli, lsa_head_dim=lsa_dim,
+                      lsa_kv_heads=width("layer_self_attention.self_attn.k_proj.weight", lsa_dim),
+                      lsa_mlp=width("layer_self_attention.mlp.gate_proj.weight", 1),
+                      sa_kv_heads=width("self_attention.self_attn.k_proj.weight", dh),
+                      sa_mlp=width("self_attention.mlp.gate_proj.weight", 1),
+                      ca_kv_heads=width("cross_attention.self_attn.k_proj.weight", dh),
+                      ca_mlp=width("cross_attention.mlp.gate_proj.weight", 1))
+    module = MoADrafter.build_module(target, opts)
+    params = dict(module.named_parameters())
+    check_keys(path, set(state), set(params), "a MoA drafter")
+    with torch.no_grad():
+        for k, v in state.items():
+            if v.shape != params[k].shape:
+                raise SpecbenchError(f"checkpoint {path}: {k} is {tuple(v.shape)}, the module needs "
+                                     f"{tuple(params[k].shape)}")
+            params[k].copy_(v.to(params[k].dtype))
+    return module.to(target.device, target.dtype)

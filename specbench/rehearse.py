@@ -36,7 +36,7 @@ from specbench.records import read_jsonl
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16", "float16")
 # drafters that decode from a published drafter's weights (eagle2 decodes eagle's head)
-USES = {"eagle": ["eagle", "eagle2"], "hass": ["hass"], "medusa": ["medusa"], "sd": ["sd"]}
+USES = {"eagle": ["eagle", "eagle2"], "hass": ["hass"], "medusa": ["medusa"], "sd": ["sd"], "moa": ["moa"]}
 
 
 def published(model: str) -> dict[str, str]:

