@@ -50,6 +50,7 @@ def drafters_for(model: str) -> list[str]:
 def write(root: Path, models: list[str]) -> None:
     from specbench import replicas
 
+    root.mkdir(parents=True, exist_ok=True)  # (scratch files of the safetensors writers go there)
     cache = replicas.HubCache(root / "hf")
     texts = replicas.corpus()
     for m in models:

@@ -35,3 +35,31 @@ def test_day_one_on_vicuna_in_bf16_with_one_broken_download(tmp_path):
     assert "| medusa | failed |" in table and "Failed jobs: medusa on cnndm" in table
     head = json.loads(next((root / "results" / "beagle_table1").glob("vicuna-7b__eagle2__*/run.json")).read_text())
     assert head["model_identity"]["dtype"] == "bfloat16" and head["config"]["model"]["hf_id"] == "lmsys/vicuna-7b-v1.3"
+
+
+def test_the_moa_replica_in_its_authors_layout_decodes_on_the_llama3_replica(tmp_path):
+    """The rehearsal's Llama-3-8B-Instruct replica with huawei-noah/MOASpec-Llama-3-8B-Instruct beside it (listed under
+    conf/model/llama3-8b.yaml `published`): the drafter loads from the hub cache's snapshot as `make download` leaves
+    it and decodes losslessly in the replica's bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from drafters.moa import MoADrafter
+    from specbench.engine import Engine
+    from specbench.target import TargetModel
+    from specbench.types import SamplingParams
+    from tests.helpers import hf_greedy
+
+    assert rehearse.published("llama3-8b")["moa"] == "huawei-noah/MOASpec-Llama-3-8B-Instruct"
+    assert "moa" in rehearse.drafters_for("llama3-8b")
+    root = tmp_path / "rehearsal"
+    rehearse.write(root, ["llama3-8b"])
+    snap = lambda repo: next((root / "hf" / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots").iterdir())  # noqa: E731
+    model = AutoModelForCausalLM.from_pretrained(snap("meta-llama/Meta-Llama-3-8B-Instruct"), dtype=torch.bfloat16)
+    target = TargetModel(model.eval().requires_grad_(False), None, torch.device("cpu"), "llama3-8b")
+    drafter = MoADrafter(target, checkpoint=str(snap("huawei-noah/MOASpec-Llama-3-8B-Instruct")), module={"tli": 0},
+                         tree={"kind": "dynamic", "depth": 3, "topk": 3, "total_tokens": 8})
+    assert drafter.net.Ekv2E.weight.dtype == torch.bfloat16
+    prompt = [5, 17, 33, 17, 33, 9, 2, 40]
+    gen = Engine(target, drafter, SamplingParams()).generate(prompt, 24)
+    assert gen.new_tokens == hf_greedy(target.model, prompt, 24)
