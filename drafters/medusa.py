@@ -117,8 +117,12 @@ class MedusaDrafter(TrainableDrafter):
         self.heads = self.load_module(target, checkpoint, module)
         self.lm_head = target.lm_head  # the target's frozen LM head, shared (read only)
         k = len(self.heads.w1)
+        given = tree
         tree = self.tree_paths(checkpoint, tree, tree_nodes) or chain_paths(k)  # default: the chain of top-1 heads
         self.paths, parents = sorted_paths(tree, max_depth=k)
+        # what run.json records as the tree this run decoded with (`auto` resolves differently per checkpoint)
+        name = "mc_sim_7b_63" if tree is MEDUSA_MC_SIM_7B_63 else "from the heads' accuracies" if given == "auto" else None
+        self.tree_used = {"kind": "static", "paths": [list(p) for p in tree], **({"name": name} if name else {})}
         self.priority = torch.tensor([list_order(tree, self.paths)], device=target.device)  # the given order
         self.parents = torch.tensor([parents], device=target.device)
         self.is_chain = is_chain(parents)  # e.g. the default chain of top-1 heads: verified with the causal mask

@@ -178,11 +178,14 @@ def static_tree(paths: list, name: str | None = None) -> str:
     return f"{label} ({len(paths)} nodes, depth {len(per_depth)}: {'/'.join(map(str, per_depth))} per depth)"
 
 
-def tree_of(drafter: dict) -> str | None:
+def tree_of(drafter: dict, used: dict | None = None) -> str | None:
     """How a run's drafter drafted, from its resolved config (run.json): the tree policy it reads (conf/tree/, recorded
     under drafter.tree), Medusa's own tree, or a chain; None for the baseline. Keys a static tree ignores (an
-    experiment's dynamic-tree settings merged into it) are ignored here too."""
+    experiment's dynamic-tree settings merged into it) are ignored here too. `used`: the tree the drafter resolved
+    itself (run.json `tree_used`, Medusa's `auto`), where recorded."""
     tree = drafter.get("tree")
+    if tree == "auto" and used and used.get("name") == "mc_sim_7b_63":
+        return static_tree(used["paths"], "Medusa mc_sim_7b_63")
     if isinstance(tree, dict) and tree.get("kind") == "dynamic":
         return DYNAMIC_TREE.format(depth=tree.get("depth"), topk=tree.get("topk"), total=tree.get("total_tokens"))
     if isinstance(tree, dict) and tree.get("kind") == "static":
@@ -204,7 +207,8 @@ def trees(table: Table, used: list[dict]) -> str:
     """Which tree each drafter of the table decoded with, grouped: 'a, b: <tree>; c: <tree>' (table order)."""
     groups: dict[str, list[str]] = {}
     for name in table.drafters:
-        for desc in sorted({tree_of(r["_head"]["config"]["drafter"]) for r in used if r["drafter"] == name} - {None}):
+        for desc in sorted({tree_of(r["_head"]["config"]["drafter"], r["_head"].get("tree_used"))
+                            for r in used if r["drafter"] == name} - {None}):
             groups.setdefault(desc, []).append(name)
     return "; ".join(f"{', '.join(names)}: {desc}" for desc, names in groups.items())
 
@@ -444,7 +448,7 @@ def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Pa
                     errors.append(abs(err))
                 chosen = auto["chosen"] if auto else None
                 base_pred = auto["base_predicted"]["speedup"] if auto else None
-                paper_tree = tree_of(p["_head"]["config"]["drafter"]) if p else None
+                paper_tree = tree_of(p["_head"]["config"]["drafter"], p["_head"].get("tree_used")) if p else None
                 rows.append([d, ds, paper_tree or MISSING, cell(p, "tau"), cell(p, "spu"),
                              MISSING if base_pred is None else f"{base_pred:.2f}x",
                              cut_of(chosen) if chosen else MISSING,

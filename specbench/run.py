@@ -300,6 +300,9 @@ class Runner:
                 "env": envinfo.device_info(self.target.device),
                 "versions": envinfo.versions(),
                 **({"tree_auto": self.tree_auto} if self.tree_auto and drafter is not None else {}),
+                # a tree the drafter resolved itself (Medusa's `auto`: its accuracies' tree, or mc_sim_7b_63 for
+                # published heads), for the captions
+                **({"tree_used": drafter.tree_used} if getattr(drafter, "tree_used", None) else {}),
             })
         if todo:
             engine = Engine(self.target, drafter, self.decoding.sampling())

@@ -189,6 +189,12 @@ def test_published_medusa_heads_load_with_their_own_lm_heads_and_decode_lossless
 
     drafter = MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree="auto")
     assert len(MEDUSA_MC_SIM_7B_63) == 63 and sorted(map(tuple, drafter.paths)) == sorted(map(tuple, MEDUSA_MC_SIM_7B_63))
+    # ... and says so to run.json, whose caption then names it (not "from the heads' accuracies")
+    from specbench.report import tree_of
+
+    assert drafter.tree_used["name"] == "mc_sim_7b_63"
+    assert tree_of({"name": "medusa", "tree": "auto", "tree_nodes": 19}, drafter.tree_used).startswith(
+        "static Medusa mc_sim_7b_63 (63 nodes")
     assert Engine(target, drafter, SamplingParams()).generate(prompt, 24).new_tokens == hf_greedy(target.model, prompt, 24)
 
 
