@@ -88,6 +88,7 @@ class BeagleOptions:
     sim_steps: int = 4  # s, the late stage's simulated steps (App. A.3: limited to 4)
     late_from_epoch: int = 1  # the epoch the late stage starts
     vloss_weight: float = 10.0  # the feature-regression coefficient (App. A.3)
+    vloss_scaled: bool = False  # true: vloss also takes the CE's k / beta* (this project's weighting before 2026-11-24)
 
 
 class BeagleDrafter(TrainableDrafter):
@@ -121,7 +122,8 @@ class BeagleDrafter(TrainableDrafter):
         p = teacher_probs(target, true)
         logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)
         vloss = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
-        return weight * soft_ce(p, logq) + opts.vloss_weight * vloss, vloss.item(), top1(logq, p)
+        v_weight = opts.vloss_weight * (weight if opts.vloss_scaled else 1.0)
+        return weight * soft_ce(p, logq) + v_weight * vloss, vloss.item(), top1(logq, p)
 
     @classmethod
     def training_loss(cls, module, batch, target, opts: BeagleOptions):

@@ -77,3 +77,7 @@ def test_vloss_keeps_its_coefficient_whatever_the_ce_weight():
     late0 = list(BeagleDrafter.training_steps(block, batch, target, replace(OPTS, vloss_weight=0.0), epoch=1))
     for i, ((a, p), (b, _)) in enumerate(zip(late, late0), 1):
         torch.testing.assert_close(a - b, torch.tensor(OPTS.vloss_weight * p[f"vloss{i}"]), rtol=1e-4, atol=1e-5)
+    torch.manual_seed(3)
+    (scaled, _), = BeagleDrafter.training_steps(block, batch, target, replace(OPTS, vloss_scaled=True), epoch=0)
+    torch.testing.assert_close(scaled - no_v, torch.tensor(OPTS.window * OPTS.vloss_weight * parts["vloss"]),
+                               rtol=1e-4, atol=1e-5)
