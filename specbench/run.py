@@ -46,7 +46,9 @@ def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
 
 
 def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: int, seed: int) -> dict:
-    """Everything that changes the records: runs of different keys never share a directory."""
+    """Everything that changes the records: runs of different keys never share a directory. A drafter's training
+    settings (`optim`) are not among them: the weights they made are, by their digest (checkpoint_sha256)."""
+    drafter = {k: v for k, v in drafter.items() if k != "optim"}
     return {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": repeats,
             "seed": seed}
 

@@ -322,3 +322,14 @@ def test_a_checkpoint_path_of_ones_own_that_is_empty_is_named_as_such(make_cfg, 
     line = missing_weights(make_cfg("drafter=eagle2", f"drafter.checkpoint={tmp_path / 'my-eagel'}"))
     assert line.endswith("no checkpoint is at that path (check drafter.checkpoint)") and "make train" not in line
     assert "make train MODEL=tiny TRAIN_DRAFTERS=eagle" in missing_weights(make_cfg("drafter=eagle2"))
+
+
+def test_training_settings_do_not_name_a_run_but_the_weights_do(make_cfg):
+    """A drafter YAML's `optim` (weight decay, clipping) made the weights; the weights' digest names the run, so a
+    changed training setting alone does not orphan the runs of unchanged weights."""
+    cfg = make_cfg("drafter=eagle2", "drafter.checkpoint=null")
+    base = Runner(cfg).run_dir_for(cfg.drafter)[0]
+    cfg2 = make_cfg("drafter=eagle2", "drafter.checkpoint=null", "drafter.optim.weight_decay=0.5")
+    assert Runner(cfg2).run_dir_for(cfg2.drafter)[0].path == base.path
+    cfg3 = make_cfg("drafter=eagle2", "drafter.checkpoint=null", "tree.topk=3")
+    assert Runner(cfg3).run_dir_for(cfg3.drafter)[0].path != base.path
