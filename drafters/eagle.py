@@ -29,14 +29,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from specbench.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.checkpoints import check_keys, resolve, weight_file
+from specbench.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.errors import SpecbenchError
 from specbench.tree import tree_attention_mask
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -84,25 +83,8 @@ def load_authors_head(path: Path, target) -> "EagleHead":
     `layers.0.*` (ours: `body.layers.0.*`), an optional `embed_tokens.weight` (the target's table is used; its shape is
     checked). Each misfit is one line naming it."""
     cfg = json.loads((path / "config.json").read_text())
-    base = target.model.config
-    for key in AUTHORS_DIMS:
-        theirs, ours = cfg.get(key), getattr(base, key, None)
-        if key == "num_key_value_heads":  # absent in older configs: as many as the attention heads
-            theirs, ours = theirs or cfg.get("num_attention_heads"), ours or base.num_attention_heads
-        if theirs != ours:
-            raise SpecbenchError(f"checkpoint {path} is an EAGLE head for {key}={theirs}; the target {target.name!r} "
-                                 f"has {ours}")
-    # the RoPE base the head was trained with: EAGLE-1's configs (Vicuna, Llama-2) carry none and their code uses
-    # Llama's 10000; the Llama-3 heads carry 500000. A head used under another base sees rotated keys it never learnt.
-    theirs = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
-    ours = float((getattr(base, "rope_parameters", None) or {}).get("rope_theta")
-                 or getattr(base, "rope_theta", None) or 10000.0)
-    if theirs != ours:
-        raise SpecbenchError(f"checkpoint {path} is an EAGLE head for rope_theta={theirs:g}; the target "
-                             f"{target.name!r} has {ours:g}")
-    file = weight_file(path)
-    state = (load_file(str(file)) if file.suffix == ".safetensors"
-             else torch.load(file, map_location="cpu", weights_only=True))
+    check_authors_config(path, cfg, target, AUTHORS_DIMS, "an EAGLE head")
+    state = read_state(path)
     emb = state.pop("embed_tokens.weight", None)
     if emb is not None and tuple(emb.shape) != tuple(target.decoder.embed_tokens.weight.shape):
         raise SpecbenchError(f"checkpoint {path}: embed_tokens {tuple(emb.shape)} does not match the target's "
@@ -110,13 +92,7 @@ def load_authors_head(path: Path, target) -> "EagleHead":
     head = EagleHead(target, bias=bool(cfg.get("bias", True)),
                      input_norm="layers.0.input_layernorm.weight" in state, rms_norm_eps=cfg.get("rms_norm_eps"))
     params = {k.removeprefix("body."): p for k, p in head.named_parameters()}  # in the authors' names
-    check_keys(path, set(state), set(params), "an EAGLE head")
-    with torch.no_grad():
-        for k, v in state.items():
-            if v.shape != params[k].shape:
-                raise SpecbenchError(f"checkpoint {path}: {k} is {tuple(v.shape)}, the head needs "
-                                     f"{tuple(params[k].shape)}")
-            params[k].copy_(v.to(params[k].dtype))
+    copy_state(path, state, params, "an EAGLE head")
     return head.to(target.device, target.dtype)  # the authors: ea_layer.to(base_model.dtype)
 
 

@@ -53,12 +53,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specbench.checkpoints import check_keys, resolve, weight_file
+from specbench.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.drafter import KV, TrainableDrafter
 from specbench.errors import SpecbenchError
 from drafters.distill import soft_ce, teacher_probs, top1
@@ -474,24 +473,9 @@ def load_authors_moa(path: Path, target, tli: int) -> MoAModule:
     """Build the module the checkpoint's tensors describe (every width and head count read from them; the LSA's query
     heads by the authors' rule, the target's count) and load it; each misfit is one line naming it."""
     cfg = json.loads((path / "config.json").read_text())
+    check_authors_config(path, cfg, target, AUTHORS_FIELDS, "a MoA drafter")
     base = target.model.config
-    for key in AUTHORS_FIELDS:
-        theirs, ours = cfg.get(key), getattr(base, key, None)
-        if key == "num_key_value_heads":  # absent in older configs: as many as the attention heads
-            theirs, ours = theirs or cfg.get("num_attention_heads"), ours or base.num_attention_heads
-        if theirs != ours:
-            raise SpecbenchError(f"checkpoint {path} is a MoA drafter for {key}={theirs}; the target {target.name!r} "
-                                 f"has {ours}")
-    # RoPE's base: the SA runs at the target's positions with the base it was trained with
-    theirs = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
-    ours = float((getattr(base, "rope_parameters", None) or {}).get("rope_theta")
-                 or getattr(base, "rope_theta", None) or 10000.0)
-    if theirs != ours:
-        raise SpecbenchError(f"checkpoint {path} is a MoA drafter for rope_theta={theirs:g}; the target "
-                             f"{target.name!r} has {ours:g}")
-    file = weight_file(path)
-    state = (load_file(str(file)) if file.suffix == ".safetensors"
-             else torch.load(file, map_location="cpu", weights_only=True))
+    state = read_state(path)
     if "Ekv2E.weight" not in state:
         raise SpecbenchError(f"checkpoint {path} is not a MoA drafter in its authors' layout (no Ekv2E.weight)")
     e, nh, nkv, dh = _dims(base)
@@ -514,11 +498,5 @@ def load_authors_moa(path: Path, target, tli: int) -> MoAModule:
                       ca_mlp=width("cross_attention.mlp.gate_proj.weight", 1))
     module = MoADrafter.build_module(target, opts)
     params = dict(module.named_parameters())
-    check_keys(path, set(state), set(params), "a MoA drafter")
-    with torch.no_grad():
-        for k, v in state.items():
-            if v.shape != params[k].shape:
-                raise SpecbenchError(f"checkpoint {path}: {k} is {tuple(v.shape)}, the module needs "
-                                     f"{tuple(params[k].shape)}")
-            params[k].copy_(v.to(params[k].dtype))
+    copy_state(path, state, params, "a MoA drafter")
     return module.to(target.device, target.dtype)

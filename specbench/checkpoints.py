@@ -81,6 +81,44 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads(cfg.read_text())
 
 
+def check_authors_config(path: Path, cfg: dict[str, Any], target, fields: tuple[str, ...], what: str) -> None:
+    """A drafter published in its authors' layout against the target, one line per misfit: each of `fields` of its
+    config.json (num_key_value_heads, absent in older configs, as many as the heads) and RoPE's base (EAGLE-1's
+    configs carry none and their code uses Llama's 10000; the Llama-3 ones carry 500000: a drafter used under another
+    base sees rotated keys it never learnt)."""
+    base = target.model.config
+    for key in fields:
+        theirs, ours = cfg.get(key), getattr(base, key, None)
+        if key == "num_key_value_heads":
+            theirs, ours = theirs or cfg.get("num_attention_heads"), ours or base.num_attention_heads
+        if theirs != ours:
+            raise SpecbenchError(f"checkpoint {path} is {what} for {key}={theirs}; the target {target.name!r} has {ours}")
+    theirs = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    ours = float((getattr(base, "rope_parameters", None) or {}).get("rope_theta")
+                 or getattr(base, "rope_theta", None) or 10000.0)
+    if theirs != ours:
+        raise SpecbenchError(f"checkpoint {path} is {what} for rope_theta={theirs:g}; the target {target.name!r} "
+                             f"has {ours:g}")
+
+
+def read_state(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint directory's weight file (safetensors, or a torch pickle read weights-only)."""
+    file = weight_file(path)
+    return (load_file(str(file)) if file.suffix == ".safetensors"
+            else torch.load(file, map_location="cpu", weights_only=True))
+
+
+def copy_state(path: Path, state: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter], what: str) -> None:
+    """Load `state` into `params` (the same names; each tensor cast to its parameter's dtype), after one-line checks:
+    the names (check_keys), then each shape."""
+    check_keys(path, set(state), set(params), what)
+    with torch.no_grad():
+        for k, v in state.items():
+            if v.shape != params[k].shape:
+                raise SpecbenchError(f"checkpoint {path}: {k} is {tuple(v.shape)}, {what} needs {tuple(params[k].shape)}")
+            params[k].copy_(v.to(params[k].dtype))
+
+
 def check_keys(path: Path, have: set[str], want: set[str], what: str) -> None:
     """One line naming (up to three of) the missing and the unexpected tensors of a checkpoint that does not fit."""
     if have != want:

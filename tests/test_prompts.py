@@ -43,20 +43,7 @@ def spm_tokenizer(tmp_path_factory):
 
 def fastchat_ids(tokenizer, template: str, system: str, turns: list[str], answers: list[str], suffix: str) -> list:
     """EAGLE's gen_ea_answer_*: fastchat's conversation, the assistant's answer put back before the next turn."""
-    sys.path.insert(0, str(FASTCHAT))
-    try:
-        from fastchat.conversation import get_conv_template
-    finally:
-        sys.path.remove(str(FASTCHAT))
-    conv = get_conv_template(template)
-    conv.system_message = system
-    out = []
-    for j, q in enumerate(turns):
-        conv.append_message(conv.roles[0], q)
-        conv.append_message(conv.roles[1], None)
-        out.append(tokenizer([conv.get_prompt() + suffix]).input_ids[0])
-        conv.messages[-1][-1] = answers[j]
-    return out
+    return [tokenizer([p]).input_ids[0] for p in fastchat_prompts(template, system, turns, answers, suffix)]
 
 
 @pytest.mark.parametrize(("model", "template", "suffix"), [("llama2-7b", "llama-2", " "), ("vicuna-7b", "vicuna_v1.1", "")])
