@@ -108,6 +108,10 @@ class BeagleDrafter(TrainableDrafter):
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
+    def decoding_options(cls, options: dict) -> dict:
+        return {}  # every option is the training's: the block's shape is the target's
+
+    @classmethod
     def build_module(cls, target, opts: BeagleOptions) -> CrossAttentionBlock:
         del opts  # the block's shape is the target's; the options are the training's
         return CrossAttentionBlock(target).to(target.device)

@@ -258,6 +258,12 @@ class MoADrafter(TrainableDrafter):
             raise ValueError(f"tli={opts.tli} must be in [0, {target.model.config.num_hidden_layers})")
         return MoAModule(target, opts).to(target.device)
 
+    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight")
+
+    @classmethod
+    def decoding_options(cls, options: dict) -> dict:
+        return {k: v for k, v in options.items() if k not in cls.TRAINING_ONLY}
+
     @classmethod
     def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
         """The project's checkpoints, or the authors' published layout (a target config.json beside `Ekv2E.*`)."""

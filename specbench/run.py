@@ -47,8 +47,12 @@ def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
 
 def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: int, seed: int) -> dict:
     """Everything that changes the records: runs of different keys never share a directory. A drafter's training
-    settings (`optim`) are not among them: the weights they made are, by their digest (checkpoint_sha256)."""
+    settings (`optim`, and the module options its `decoding_options` drops) are not among them: the weights they made
+    are, by their digest (checkpoint_sha256)."""
     drafter = {k: v for k, v in drafter.items() if k != "optim"}
+    cls = get_class(drafter["_target_"]) if drafter.get("_target_") else None
+    if isinstance(drafter.get("module"), dict) and hasattr(cls, "decoding_options"):
+        drafter["module"] = cls.decoding_options(dict(drafter["module"]))  # its training-only options do not count
     return {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": repeats,
             "seed": seed}
 

@@ -333,3 +333,7 @@ def test_training_settings_do_not_name_a_run_but_the_weights_do(make_cfg):
     assert Runner(cfg2).run_dir_for(cfg2.drafter)[0].path == base.path
     cfg3 = make_cfg("drafter=eagle2", "drafter.checkpoint=null", "tree.topk=3")
     assert Runner(cfg3).run_dir_for(cfg3.drafter)[0].path != base.path
+    # nor do a method's training-only module options (its decoding_options drop them)
+    cfg4 = make_cfg("drafter=hass", "drafter.checkpoint=null")
+    cfg5 = make_cfg("drafter=hass", "drafter.checkpoint=null", "drafter.module.topk_stage=0.5")
+    assert Runner(cfg4).run_dir_for(cfg4.drafter)[0].path == Runner(cfg5).run_dir_for(cfg5.drafter)[0].path
