@@ -39,10 +39,10 @@ class Recording:
         self.inner.on_verified(result, state)
 
 
-def record() -> dict:
+def record(names=None) -> dict:
     target = target_for()
     out = {}
-    for name in DRAFTER_CONFIGS:
+    for name in names or DRAFTER_CONFIGS:
         rec = Recording(make_drafter(name, target))
         Engine(target, rec, SamplingParams()).generate(PROMPTS[1], MAX_NEW)
         out[name] = rec.trees
@@ -50,7 +50,18 @@ def record() -> dict:
 
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/data/proposals.json")
-    data = {"git": envinfo.git_commit(), "prompt": PROMPTS[1], "max_new_tokens": MAX_NEW, "proposals": record()}
+    # python scripts/record_proposals.py [out.json] [--only moa,moa_tli1 --why "..."]: re-record some drafters (their
+    # module changed), keeping the others' recording and saying at which commit and why
+    args = sys.argv[1:]
+    only = args[args.index("--only") + 1].split(",") if "--only" in args else None
+    why = args[args.index("--why") + 1] if "--why" in args else None
+    rest = [a for i, a in enumerate(args) if a not in ("--only", "--why") and (i == 0 or args[i - 1] not in ("--only", "--why"))]
+    path = Path(rest[0] if rest else "tests/data/proposals.json")
+    if only:
+        data = json.loads(path.read_text())
+        data["proposals"].update(record(only))
+        data.setdefault("rerecorded", []).append({"drafters": only, "git": envinfo.git_commit(), "why": why})
+    else:
+        data = {"git": envinfo.git_commit(), "prompt": PROMPTS[1], "max_new_tokens": MAX_NEW, "proposals": record()}
     path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     print(f"written: {path}")

@@ -23,7 +23,8 @@ def test_models_list_the_published_checkpoints_that_exist():
                                       "medusa": "FasterDecoding/medusa-vicuna-7b-v1.3", "sd": "double7/vicuna-68m"}
     assert published["llama2-7b"] == {"eagle": "yuhuili/EAGLE-llama2-chat-7B", "hass": "HArmonizedSS/HASS-LLaMA2-Chat-7B"}
     assert published["llama3-8b"] == {"eagle": "yuhuili/EAGLE-LLaMA3-Instruct-8B",
-                                      "hass": "HArmonizedSS/HASS-LLaMA3-Instruct-8B"}
+                                      "hass": "HArmonizedSS/HASS-LLaMA3-Instruct-8B",
+                                      "moa": "huawei-noah/MOASpec-Llama-3-8B-Instruct"}
     assert published["smollm2-135m"] == {}
 
 
