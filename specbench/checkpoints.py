@@ -30,7 +30,8 @@ def save_checkpoint(path: Path, module: torch.nn.Module, target, meta: dict[str,
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
-        state = {k: v.to(DTYPES[dtype]).contiguous().cpu() for k, v in own_state(module, target).items()}
+        state = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous().cpu()  # (ids stay ids)
+                 for k, v in own_state(module, target).items()}
         save_file(state, str(tmp / "model.safetensors"))
         if extra:
             torch.save(extra, tmp / "trainer_state.pt")

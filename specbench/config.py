@@ -143,6 +143,15 @@ class PeerConfig:
 
 
 @dataclass
+class ExportConfig:
+    """specbench/export.py: a trained head written for a serving engine."""
+
+    format: str = "sglang"  # sglang (SGLang / SpecForge, and vLLM's native EAGLE-3 loader) | speculators (vLLM's)
+    out: str = "exported/${model.name}/${drafter.name}-${export.format}"
+    verifier: Optional[str] = None  # the target's hub id written into the config (None: model.hf_id)
+
+
+@dataclass
 class RunConfig:
     """The schema of conf/config.yaml (registered with Hydra's ConfigStore as `specbench_schema`)."""
 
@@ -159,6 +168,7 @@ class RunConfig:
     trainmem: TrainMemConfig = field(default_factory=TrainMemConfig)
     drafters: list[str] = field(default_factory=list)  # specbench/perf_drafters.py: the drafters it measures
     peer: PeerConfig = field(default_factory=PeerConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     report: Any = None  # an experiment's tables and figures (conf/experiment/*.yaml `report:`, specbench/report.py)
 
 

@@ -8,7 +8,8 @@ Lifecycle per generation (one prompt turn):
         drafter.on_verified(result, state)  # roll back / extend the drafter's own cache
 
 A drafter declares in `needs` which target outputs it reads from TargetState ("hidden": last hidden states,
-"kv": the target's per-layer key/values). It never calls the target or touches the target's cache; reading the
+"kv": the target's per-layer key/values, "layers": the inputs of the target layers it lists in `hidden_layers`,
+EAGLE-3's low/middle/high features). It never calls the target or touches the target's cache; reading the
 target's frozen weights (embeddings, LM head) at construction is allowed and is how EAGLE-style drafters share them.
 """
 from __future__ import annotations
@@ -25,10 +26,13 @@ from specbench.types import DraftTree, TargetState, VerifyResult
 
 HIDDEN = "hidden"
 KV = "kv"
+LAYERS = "layers"
 
 
 class Drafter(ABC):
     needs: ClassVar[frozenset[str]] = frozenset()
+    #: with LAYERS in needs: the hidden_states indices (HF's: i = the input of layer i) the target returns for it
+    hidden_layers: tuple[int, ...] = ()
     #: name recorded in results
     name: ClassVar[str] = "drafter"
 
@@ -178,6 +182,20 @@ class TrainableDrafter(Drafter):
         [0, 1)) let staged methods switch objectives (Beagle's late stage, HASS's Top-K stage, MoA's curriculum)."""
         del epoch, progress
         yield cls.training_loss(module, batch, target, opts)
+
+    @classmethod
+    def fit_data(cls, module, counts: "torch.Tensor", opts) -> None:
+        """Module state a method derives from the training data before its first step (not on resume: the checkpoint
+        carries it): counts [V] = how often each token occurs in the training answers (the loss positions). EAGLE-3
+        builds its draft vocabulary from them; nothing by default."""
+        del module, counts, opts
+
+    @classmethod
+    def feature_layers(cls, module) -> tuple[int, ...]:
+        """The target layers (hidden_states indices) whose inputs the method trains on, for a drafter needing LAYERS:
+        the trainer computes them per batch from the frozen target into `batch.layers`. None by default."""
+        del module
+        return ()
 
     @classmethod
     def restarts(cls, opts) -> tuple["Restart", ...]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbench.drafter import HIDDEN, KV, Drafter
+from specbench.drafter import HIDDEN, KV, LAYERS, Drafter
 from specbench.sampling import logits_to_probs, sample
 from specbench.target import TargetModel, cache_kv, compact_cache
 from specbench.tree import ancestor_matrix, is_chain, node_depths
@@ -91,12 +91,14 @@ class Engine:
         """trace=True keeps every step's tree and accepted path (one more host read per step: calibration only)."""
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
 
-    def _state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, generator) -> TargetState:
+    def _state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, generator,
+               layers: torch.Tensor | None = None) -> TargetState:
         needs = self.drafter.needs
         return TargetState(
             tokens=tokens,
             hidden=hidden if HIDDEN in needs else None,
             kv=cache_kv(cache, self.target.device) if KV in needs else None,
+            layers=layers if LAYERS in needs else None,
             sampling=self.sampling,
             generator=generator,
         )
@@ -119,11 +121,12 @@ class Engine:
         sync(devs)
         t0 = time.perf_counter()
         cache = target.new_cache()
-        fwd = target.prefill(prompt, cache)
+        layers = tuple(drafter.hidden_layers) if LAYERS in drafter.needs else ()  # EAGLE-3's low/middle/high
+        fwd = target.prefill(prompt, cache, layers=layers)
         first = self._first_token(fwd.logits[0, -1], generator)
         tokens = torch.cat([prompt, torch.tensor([[first]], device=dev)], dim=1)
         out = [first]
-        state = self._state(tokens, fwd.hidden, cache, generator)
+        state = self._state(tokens, fwd.hidden, cache, generator, fwd.layers)
         drafter.prefill(state)
         sync(devs)
         gen = Generation(new_tokens=out, prompt_tokens=len(prompt_ids), wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -145,7 +148,7 @@ class Engine:
             n = tree.num_nodes
             node_tok, node_par = tree.tokens[0], tree.parents[0]  # [N], [N] on the device
             anc = ancestor_matrix(node_par)  # [N+1, N+1]
-            fwd = target.verify(tokens[:, -1:], tree.tokens, anc, cache, causal=tree.is_chain)
+            fwd = target.verify(tokens[:, -1:], tree.tokens, anc, cache, causal=tree.is_chain, layers=layers)
             logits = fwd.logits[0]  # [N+1, V]
             if self.sampling.greedy:
                 acc = greedy_accept(node_tok, node_par, anc, logits.argmax(-1))
@@ -191,7 +194,8 @@ class Engine:
             rows = torch.cat([keep.new_zeros(1), keep + 1])  # root + accepted nodes are now in the target cache
             new = torch.cat([node_tok[keep], acc.next_token[None]])  # [A+1] == emitted (not cut: not done)
             tokens = torch.cat([tokens, new[None]], dim=1)
-            state = self._state(tokens, fwd.hidden[:, rows], cache, generator)
+            state = self._state(tokens, fwd.hidden[:, rows], cache, generator,
+                                None if fwd.layers is None else fwd.layers[:, rows])
             result = VerifyResult(
                 accepted_nodes=path,
                 accepted_tokens=[node_tokens[i] for i in path],

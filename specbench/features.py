@@ -103,6 +103,28 @@ def online_kv(target: TargetModel, input_ids: torch.Tensor, attn_mask: torch.Ten
     return torch.stack([kv_per_token(k, v) for k, v in kv], 2).float(), torch.stack(pre, 2).float()
 
 
+@torch.no_grad()  # (not inference_mode: the drafter's graph saves these inputs for its backward)
+def online_layers(target: TargetModel, input_ids: torch.Tensor, attn_mask: torch.Tensor, layers: tuple[int, ...],
+                  dtype: str = "bfloat16") -> torch.Tensor:
+    """EAGLE-3's features for one right-padded batch, from the frozen target in the training loop (as its authors'
+    trainer computes them): input_ids, attn_mask [B, T] -> the inputs of the target layers `layers` (hidden_states
+    indices) concatenated, [B, T, k*H] float32, rounded through `dtype` as stored features are."""
+    res = target.decoder(input_ids=input_ids, attention_mask=attn_mask, use_cache=False, output_hidden_states=True)
+    return torch.cat([res.hidden_states[i].to(DTYPES[dtype]) for i in layers], -1).float()
+
+
+def token_counts(features: FeatureSet, vocab: int) -> torch.Tensor:
+    """How often each token id occurs at the loss positions (the answers) of a FeatureSet: [vocab] int64 (EAGLE-3's
+    draft vocabulary is its most frequent N)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in features.manifest["shards"]:
+        with safe_open(str(features.path / s["file"]), framework="pt") as f:
+            for j in range(s["count"]):
+                ids, mask = f.get_tensor(f"{j}.input_ids").long(), f.get_tensor(f"{j}.loss_mask").bool()
+                counts += torch.bincount(ids[mask], minlength=vocab)[:vocab]
+    return counts
+
+
 def extract(target: TargetModel, convs: list[Encoded], out: Path, dtype: str = "bfloat16", shard_size: int = 64,
             kv: bool = False, desc: str = "features", rank: int = 0, world: int = 1) -> FeatureSet:
     """Write (or resume) the shards for `convs` under `out`: this rank's share (shard n where n mod world == rank).

@@ -34,6 +34,7 @@ class CountedDrafter:
 
     def __init__(self, inner):
         self.inner, self.needs, self.rt = inner, inner.needs, HostRoundTrips()
+        self.hidden_layers = inner.hidden_layers
 
     def prefill(self, state):
         return self.inner.prefill(state)

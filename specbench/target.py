@@ -18,6 +18,7 @@ from specbench.tree import tree_attention_mask, tree_position_ids
 class TargetForward:
     logits: torch.Tensor  # [B, R, V] logits of the requested rows
     hidden: torch.Tensor  # [B, Q, H] last hidden state (after the final norm) of every input position
+    layers: torch.Tensor | None = None  # [B, Q, k*H] the residual inputs of the requested layers, concatenated
 
 
 class TargetModel:
@@ -54,6 +55,7 @@ class TargetModel:
         position_ids: torch.Tensor | None = None,  # [B, Q]
         attention_mask: torch.Tensor | None = None,  # [B, 1, Q, cached+Q] additive, or None = causal
         logits_rows: slice | torch.Tensor = slice(None),
+        layers: tuple[int, ...] = (),  # hidden_states indices whose rows come back in TargetForward.layers
     ) -> TargetForward:
         out = self.decoder(
             input_ids=input_ids,
@@ -61,26 +63,29 @@ class TargetModel:
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=True,
+            output_hidden_states=bool(layers),
         )
         hidden = out.last_hidden_state
         logits = self.lm_head(hidden[:, logits_rows]).float()
         # with a device map the last layers and the LM head may sit elsewhere: back to the engine's device (no-op else)
-        return TargetForward(logits=logits.to(self.device), hidden=hidden.to(self.device))
+        picked = torch.cat([out.hidden_states[i].to(self.device) for i in layers], -1) if layers else None
+        return TargetForward(logits=logits.to(self.device), hidden=hidden.to(self.device), layers=picked)
 
-    def prefill(self, prompt: torch.Tensor, cache: DynamicCache) -> TargetForward:
+    def prefill(self, prompt: torch.Tensor, cache: DynamicCache, layers: tuple[int, ...] = ()) -> TargetForward:
         """prompt [B, L] -> logits of the last position [B, 1, V]; hidden [B, L, H]."""
-        return self.forward(prompt, cache, logits_rows=slice(-1, None))
+        return self.forward(prompt, cache, logits_rows=slice(-1, None), layers=layers)
 
     def verify(self, root: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor, cache: DynamicCache,
-               causal: bool = False) -> TargetForward:
+               causal: bool = False, layers: tuple[int, ...] = ()) -> TargetForward:
         """One forward over [root, node_0..node_{N-1}]: root [B, 1], tokens [B, N], anc [N+1, N+1] (the tree's
         ancestor_matrix) -> logits [B, N+1, V]. causal=True: the tree is a chain (or a lone root), which the model's
-        own causal mask already expresses, so no 4D mask is built."""
+        own causal mask already expresses, so no 4D mask is built. `layers`: hidden_states indices (HF's: 0 the
+        embeddings, i the input of layer i) whose rows an EAGLE-3 drafter reads, in TargetForward.layers."""
         prefix = cache.get_seq_length()
         ids = torch.cat([root, tokens], dim=1)
         pos = tree_position_ids(anc, prefix)
         mask = None if causal else tree_attention_mask(anc, prefix, self.dtype)
-        return self.forward(ids, cache, position_ids=pos, attention_mask=mask)
+        return self.forward(ids, cache, position_ids=pos, attention_mask=mask, layers=layers)
 
 
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor, contiguous: bool) -> None:

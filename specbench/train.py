@@ -35,14 +35,14 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from specbench.drafter import KV, TrainableDrafter
+from specbench.drafter import KV, LAYERS, TrainableDrafter
 from specbench import envinfo
 from specbench.checkpoints import load_checkpoint, read_meta, save_checkpoint, target_fingerprint, target_identity
 from specbench.config import ModelConfig, TrainConfig, register_schema, to_dataclass
 from specbench.conversations import Encoded, encode, load_conversations
 from specbench.engine import Engine
 from specbench.errors import SpecbenchError
-from specbench.features import FeatureSet, extract, online_kv
+from specbench.features import FeatureSet, extract, online_kv, online_layers, token_counts
 from specbench.metrics import PeakMemory
 from specbench.models import chat_prompt_ids, load_model
 from specbench.cli import cli, fail
@@ -66,6 +66,7 @@ class Batch:
     hidden_in: torch.Tensor | None = None  # [B, T, H] the same with the configured noise: what drafters read as input
     kv: torch.Tensor | None = None  # [B, T, L, 2 * kv_heads * head_dim] per token and layer: (K, V), drafters needing KV
     pre: torch.Tensor | None = None  # [B, T, P, H] residual inputs of target layers L-1 .. L-P (P = features.PRE_LAYERS)
+    layers: torch.Tensor | None = None  # [B, T, k*H] inputs of the drafter's feature_layers (EAGLE-3), computed online
 
     @property
     def tokens(self) -> int:
@@ -228,13 +229,17 @@ class FeatureItems(torch.utils.data.Dataset):
 
 
 @torch.no_grad()
-def validate(cls: type[TrainableDrafter], module, val: list[dict], cfg: TrainConfig, target) -> dict:
+def validate(cls: type[TrainableDrafter], module, val: list[dict], cfg: TrainConfig, target,
+             layers: tuple[int, ...] = ()) -> dict:
     """Chain drafting on the drafter's own predictions from evenly spaced roots inside the target's own answers:
-    alpha[n] = P(token n+1 accepted | tokens 1..n accepted); simulated tau = 1 + sum_n prod_{i<=n} alpha[i]."""
+    alpha[n] = P(token n+1 accepted | tokens 1..n accepted); simulated tau = 1 + sum_n prod_{i<=n} alpha[i].
+    With `layers` (EAGLE-3) the drafter reads those layers' inputs, computed from the target, for `hidden`."""
     module.eval()
     trials, accepts = [0] * cfg.val_depth, [0] * cfg.val_depth
     for x in val:
         ids, hidden, mask = x["input_ids"].to(target.device), x["hidden"].float().to(target.device), x["loss_mask"]
+        if layers:
+            hidden = online_layers(target, ids[None], torch.ones_like(ids)[None], layers, cfg.features_dtype)[0]
         start = int(mask.nonzero()[0])  # first answer token; roots are answer tokens with a full chain after them
         last = len(ids) - 1 - cfg.val_depth
         if last < start:
@@ -420,6 +425,9 @@ class Trainer:
         opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
                                 fused=dev.type == "cuda")
         first_epoch, step = self._resume(module, opt)
+        self.layers = tuple(self.cls.feature_layers(module)) if LAYERS in getattr(self.cls, "needs", ()) else ()
+        if step == 0:  # a fresh start (a resumed module has it from its checkpoint): EAGLE-3's draft vocabulary
+            self.cls.fit_data(module, token_counts(train_set, self.target.vocab_size), self.opts)
         if dist.is_initialized():  # every rank starts from rank 0's weights (and optimiser state, when resumed)
             broadcast_state(module, opt)
         items = FeatureItems(train_set, kv=stored_kv)
@@ -498,6 +506,9 @@ class Trainer:
             batch = batch.to(dev)
             if self.online_kv:  # MoA's target K/V from the frozen target, not from disk
                 batch.kv, batch.pre = online_kv(self.target, batch.input_ids, batch.attn_mask, tc.features_dtype)
+            if self.layers:  # EAGLE-3's low/middle/high features from the frozen target
+                batch.layers = online_layers(self.target, batch.input_ids, batch.attn_mask, self.layers,
+                                             tc.features_dtype)
             add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
             for g in opt.param_groups:
                 g["lr"] = scheduled_lr(step, tc, total_steps, stages)
@@ -537,7 +548,7 @@ class Trainer:
     def _validate(self, module, val_items, epoch: int, step: int, epoch_s: float, tokens: int, mem: PeakMemory,
                   logf: Path, extra: dict) -> dict:
         """The epoch's validation (rank 0), logged -> the metrics its checkpoint records."""
-        val = validate(self.cls, module, val_items, self.tc, self.target)
+        val = validate(self.cls, module, val_items, self.tc, self.target, self.layers)
         module.eval()
         val |= self.cls.validation_extras(module, val_items, self.target)
         module.train()

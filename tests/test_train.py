@@ -12,6 +12,7 @@ import torch
 from drafters.beagle import BeagleDrafter
 from drafters.coral import CoralDrafter, CoralRouterDrafter
 from drafters.eagle import EagleDrafter
+from drafters.eagle3 import Eagle3Drafter
 from drafters.hass import HassDrafter
 from drafters.medusa import MedusaDrafter
 from drafters.moa import MoADrafter
@@ -129,7 +130,7 @@ def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass", "coral", "beagle", "moa", "moa_tli1"])
+@pytest.mark.parametrize("drafter", ["sd", "medusa", "eagle", "hass", "coral", "beagle", "moa", "moa_tli1", "eagle3"])
 def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(make_cfg, tmp_path, sharegpt_file,
                                                                               tiny_target, drafter):
     cfg = make_cfg(f"drafter={drafter}", *train_overrides(tmp_path, sharegpt_file))
@@ -142,11 +143,21 @@ def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(mak
     assert any(r["kind"] == "train" and "loss" in r for r in log)
     meta = read_meta(final)
     cls = {"sd": IndependentDrafter, "medusa": MedusaDrafter, "eagle": EagleDrafter, "hass": HassDrafter,
-           "coral": CoralDrafter, "beagle": BeagleDrafter, "moa": MoADrafter, "moa_tli1": MoADrafter}[drafter]
+           "coral": CoralDrafter, "beagle": BeagleDrafter, "moa": MoADrafter, "moa_tli1": MoADrafter,
+           "eagle3": Eagle3Drafter}[drafter]
     assert meta["target"] == "tiny" and meta["drafter"] == cls.name  # configs of one class share its name
     d = cls(tiny_target, checkpoint=str(final))
     prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
     assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)
+    if drafter == "eagle3":  # its draft vocabulary came from the answers; the CLI writes it for SGLang
+        from specbench.export import export
+
+        assert d.head.t2d.sum() == d.head.d2t.shape[0]
+        out = export(make_cfg("drafter=eagle3", f"drafter.checkpoint={final}", f"export.out={tmp_path / 'sgl'}"))
+        assert (out / "model.safetensors").is_file() and json.loads((out / "config.json").read_text())[
+            "architectures"] == ["LlamaForCausalLMEagle3"]
+        with pytest.raises(SpecbenchError, match="drafter 'medusa' has no serving layout"):
+            export(make_cfg("drafter=medusa", f"drafter.checkpoint={final}"))
     if drafter == "medusa":  # validation measured each head's top-k accuracy; `tree: auto` builds the tree from them
         acc = meta["metrics"]["head_topk_acc"]
         assert len(acc) == 4 and all(len(row) == MedusaDrafter.ACC_RANKS and 0 <= sum(row) <= 1 for row in acc)

@@ -1,0 +1,475 @@
+"""EAGLE-3 (Li et al. 2025, arXiv 2503.01840), as its authors' code defines it (SafeAILab/EAGLE: `eagle/traineagle3/`
+for training, `eagle/model/cnets.py` for drafting; read, not copied), on the shared engine with EAGLE-2's tree.
+
+Features. The target's hidden states at three depths, low / middle / high: the inputs of target layers 2, L//2 and
+L-3 (HF hidden_states[2], [L//2], [L-3]; the authors collect `hidden_states` before those layers), concatenated and
+fused by fc: Linear(3H, H), no bias. No feature is regressed: the head only has to predict tokens.
+
+Head ("midlayer", one decoder layer whose attention reads 2H):
+    residual = h                                          h = fc(features) at a verified token, else the head's own
+    x = cat(input_layernorm(e(t)), hidden_norm(h))        [.., 2H], the token's embedding first (the target's table)
+    h = residual + o_proj(Attn(q_proj(x), k_proj(x), v_proj(x)))          q/k/v: 2H -> heads, no bias, RoPE
+    h = h + mlp(post_attention_layernorm(h))              the target's gated MLP
+    logits = lm_head(norm(h))                             over the draft vocabulary of N tokens (its own head)
+The un-normed h is what a drafted node hands its children (fed back without fc).
+
+Draft vocabulary (d2t / t2d). The N tokens most frequent in the training answers (the loss positions), sorted by id:
+draft id i is target id i + d2t[i]; t2d [V] marks the target ids in it. Drafted ids are mapped back to target ids
+(logits scattered into the target's vocabulary, -inf elsewhere, as vLLM's compute_logits), so the tree holds target
+ids and the target verifies them: lossless whatever N is.
+
+Training-time test (TTT), `self.length = 7` steps. Step 0 reads the target's fused features; step i > 0 reads step
+i-1's outputs (not detached: one graph through all steps) with the tokens shifted by i, so at step i position t holds
+token x[t+1+i] at RoPE position t+i and predicts x[t+2+i]: the i-th drafted token of a chain rooted at t. Its query
+sees step 0's keys at positions <= t (the verified context) and the keys of steps 1..i at position t only (its chain's
+drafted ancestors and itself), one softmax over both: exactly what a drafted node sees at decoding time.
+Loss: sum_i 0.8^i CE(p_i, q_i), where p is the target's next-token law restricted to the draft vocabulary and
+renormalised (softmax of its logits at the t2d ids) and positions whose target top-1 lies outside the draft
+vocabulary are dropped (the authors' position_mask).
+
+Deviations from the authors' code (stated):
+- the loss mask is the predicted token's (x[t+2+i] an answer token), as for the whole EAGLE family here; theirs is
+  loss_mask[t+i], two positions earlier (see README, "Deviations");
+- each step's loss is divided by the number of real positions (theirs: by every position of the padded batch);
+- a head trained here uses the target's RoPE base (`rope_theta: null`); the authors' configs carry none and their code
+  uses 10000, which a published head's config gets when it carries none.
+The budget's optimiser is every method's (conf/train); the authors' (lr 5e-5, warm-up 12k steps, 40 epochs, fp16) is
+for their data.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from safetensors.torch import save_file
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from drafters.trees import GrowingTree, Level, make_tree
+from specbench.checkpoints import copy_state, read_state, resolve, weight_file
+from specbench.drafter import LAYERS, TrainableDrafter
+from specbench.errors import SpecbenchError
+from specbench.tree import visible
+from specbench.types import DraftTree, TargetState, VerifyResult
+
+
+def default_layers(num_layers: int) -> tuple[int, int, int]:
+    """The authors' low / middle / high layers (hidden_states indices: the inputs of layers 2, L//2 and L-3)."""
+    return 2, num_layers // 2, num_layers - 3
+
+
+class Eagle3Layer(nn.Module):
+    """The authors' `midlayer`: one decoder layer over [e(t) ; h] (2H) with the residual on h. Parameter names are
+    theirs (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, hidden_norm, input_layernorm, post_attention_layernorm),
+    so their checkpoints load by name."""
+
+    def __init__(self, target, cfg):
+        super().__init__()
+        h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.nh, self.nkv, self.dh = nh, nkv, h // nh
+        self.rms_norm_eps = cfg.rms_norm_eps
+        self.rope_theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+        norm = type(target.decoder.norm)
+        self.hidden_norm = norm(h, eps=cfg.rms_norm_eps)
+        self.input_layernorm = norm(h, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(h, eps=cfg.rms_norm_eps)
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(2 * h, nh * self.dh, bias=False)
+        self.self_attn.k_proj = nn.Linear(2 * h, nkv * self.dh, bias=False)
+        self.self_attn.v_proj = nn.Linear(2 * h, nkv * self.dh, bias=False)
+        self.self_attn.o_proj = nn.Linear(nh * self.dh, h, bias=False)
+        self.mlp = type(target.decoder.layers[0].mlp)(cfg)
+        self.rotary = type(target.decoder.rotary_emb)(config=cfg)
+
+    def qkv(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor):
+        """emb, h [B, Q, H] at positions pos [B, Q] -> q [B, nh, Q, dh], k, v [B, nkv, Q, dh] (RoPE on q and k)."""
+        b, n, _ = h.shape
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], -1)
+        a = self.self_attn
+        q = a.q_proj(x).view(b, n, self.nh, self.dh).transpose(1, 2)
+        k = a.k_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
+        v = a.v_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
+        cos, sin = self.rotary(x, pos)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def finish(self, o: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Attention output o [B, nh, Q, dh] and the residual h [B, Q, H] -> the layer's (un-normed) output."""
+        b, _, n, _ = o.shape
+        h = h + self.self_attn.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.dh))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """fc + midlayer + norm + lm_head over the draft vocabulary, d2t (a frozen integer parameter, saved with the
+    weights) and t2d (derived from d2t). `layers`: the target's hidden_states indices fused by fc."""
+
+    def __init__(self, target, cfg, layers: tuple[int, ...], draft_vocab: int, fc_in: int):
+        super().__init__()
+        self.layers = tuple(layers)
+        h = cfg.hidden_size
+        self.fc = nn.Linear(fc_in, h, bias=False)
+        self.midlayer = Eagle3Layer(target, cfg)
+        self.norm = type(target.decoder.norm)(h, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, draft_vocab, bias=False)
+        self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.long), requires_grad=False)  # [N] offsets
+        self.register_buffer("t2d", torch.zeros(target.vocab_size, dtype=torch.bool), persistent=False)  # [V]
+        self.set_vocab(torch.arange(draft_vocab))
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[N] the target ids of the draft vocabulary, in draft-id order (ascending)."""
+        return self.d2t + torch.arange(self.d2t.shape[0], device=self.d2t.device)
+
+    def set_vocab(self, ids: torch.Tensor) -> None:
+        """The draft vocabulary: N distinct target ids (sorted here)."""
+        ids = ids.to(self.d2t.device).sort().values
+        if ids.shape != self.d2t.shape or ids.unique().shape != ids.shape or int(ids[-1]) >= self.t2d.shape[0]:
+            raise SpecbenchError(f"a draft vocabulary must be {self.d2t.shape[0]} distinct ids below {self.t2d.shape[0]}")
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(ids.shape[0], device=ids.device))
+        self.sync_t2d()
+
+    def sync_t2d(self) -> None:
+        """t2d from d2t (after a load)."""
+        self.t2d.zero_()
+        self.t2d[self.draft_ids] = True
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Un-normed head outputs [.., H] -> draft-vocabulary logits [.., N]."""
+        return self.lm_head(self.norm(h))
+
+    def target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[.., H] -> [.., V]: the draft logits at their target ids, -inf elsewhere (what the tree ranks)."""
+        logits = self.draft_logits(h)
+        if logits.shape[-1] == self.t2d.shape[0]:
+            return logits  # the whole vocabulary (d2t is the identity then)
+        full = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))
+        return full.index_copy_(-1, self.draft_ids, logits)
+
+    def step(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor,
+             past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor):
+        """Decoding: rows (emb, h) [1, Q, H] at pos [1, Q] over cached keys past (K, V [1, nkv, S, dh]) and their own;
+        allowed [1, 1, Q, S+Q] bool -> (outputs [1, Q, H], K, V of the rows)."""
+        q, k, v = self.midlayer.qkv(emb, h, pos)
+        keys, vals = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
+        return self.midlayer.finish(o, h), k, v
+
+    def ttt(self, embed: nn.Module, ids: torch.Tensor, feats: torch.Tensor, real: torch.Tensor, steps: int):
+        """The training-time test: ids [B, T] (x), feats [B, n, 3H] fused-layer inputs of positions 0..n-1 (n = T-1),
+        real [B, n] bool -> each step's outputs [B, n, H], one at a time (step i at position t read x[t+1+i] at
+        position t+i). Attention as at decoding: step 0's keys causally (the context), steps 1..i's at the same
+        position only (the chain's drafted ancestors), one softmax over both."""
+        b, n = feats.shape[:2]
+        dev = feats.device
+        h = self.fc(feats)
+        t = torch.arange(n, device=dev)
+        context = (t[None, :] <= t[:, None])[None, None] & real[:, None, None, :]  # [B, 1, n, n]
+        scale = self.midlayer.dh ** -0.5
+        k0 = v0 = None
+        drafted: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(steps):
+            tok = ids.new_zeros(b, n)
+            m = max(0, min(n, ids.shape[1] - 1 - i))
+            tok[:, :m] = ids[:, 1 + i : 1 + i + m]
+            q, k, v = self.midlayer.qkv(embed(tok), h, (t + i)[None].expand(b, -1))
+            rep = q.shape[1] // k.shape[1]
+            if i == 0:
+                k0, v0 = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # [B, nh, n, dh]
+            else:
+                drafted.append((k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+            scores = (q @ k0.transpose(-1, -2) * scale).float().masked_fill(~context, float("-inf"))  # [B, nh, n, n]
+            diag = [((q * kj).sum(-1) * scale).float()[..., None] for kj, _ in drafted]  # [B, nh, n, 1] each
+            p = torch.cat([scores, *diag], -1).softmax(-1).to(q.dtype)
+            o = p[..., :n] @ v0
+            for j, (_, vj) in enumerate(drafted):
+                o = o + p[..., n + j : n + j + 1] * vj
+            h = self.midlayer.finish(o, h)
+            yield h
+
+
+@dataclass
+class Eagle3Options:
+    draft_vocab: int = 32000  # N, the authors' draft_vocab_size (capped at the target's vocabulary)
+    layers: list[int] | None = None  # hidden_states indices fused by fc; None: the authors' (2, L//2, L-3)
+    intermediate_size: int | None = None  # the head's MLP; None: the target's (the authors' configs: the target's)
+    rms_norm_eps: float | None = None  # None: the target's
+    rope_theta: float | None = None  # None: the target's (a published head without one: 10000, the authors' code)
+    steps: int = 7  # TTT steps (the authors' `self.length = 7`)
+    step_weight: float = 0.8  # step i's loss weight step_weight ** i (the authors' main.py)
+
+
+TRAINING_ONLY = ("steps", "step_weight")  # options decoding ignores (they do not name a run)
+
+
+def head_config(target, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float):
+    """The target's config class describing the head's one layer (what the MLP and RoPE classes read)."""
+    base = target.model.config
+    over = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "intermediate_size": intermediate, "rms_norm_eps": eps, "num_hidden_layers": 1, "head_dim": hidden // heads,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
+    return base.__class__.from_dict({**base.to_dict(), **over})
+
+
+def target_rope_theta(target) -> float:
+    base = target.model.config
+    return float((getattr(base, "rope_parameters", None) or {}).get("rope_theta")
+                 or getattr(base, "rope_theta", None) or 10000.0)
+
+
+# ---- the authors' layout (SafeAILab/EAGLE's EAGLE-3 heads, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B; SGLang's) ----
+AUTHORS_KEYS = ("fc.weight", "norm.weight", "lm_head.weight")
+
+
+def is_authors_layout(path: Path) -> bool:
+    """An EAGLE-3 head in its authors' (or SGLang's) layout: a Llama config of one layer beside their weight file,
+    with a draft vocabulary or `midlayer` tensors (EAGLE-1's heads have `layers.0`)."""
+    cfg = path / "config.json"
+    if not cfg.is_file() or weight_file(path) is None:
+        return False
+    meta = json.loads(cfg.read_text())
+    return "drafter" not in meta and "hidden_size" in meta and (
+        "draft_vocab_size" in meta or any("Eagle3" in a for a in meta.get("architectures") or []))
+
+
+def load_authors_eagle3(path: Path, target) -> Eagle3Head:
+    """Build the head a published config describes and load its tensors by the authors' names (fc, midlayer.*, norm,
+    lm_head, d2t, t2d; an embed_tokens copy is checked against the target's table and not kept). One line per
+    misfit."""
+    cfg = json.loads((path / "config.json").read_text())
+    base = target.model.config
+    h = cfg["hidden_size"]
+    if h != base.hidden_size:  # the head embeds tokens with the target's table
+        raise SpecbenchError(f"checkpoint {path} is an EAGLE-3 head of width {h}; the target {target.name!r} has "
+                             f"{base.hidden_size}")
+    if cfg.get("vocab_size", target.vocab_size) != target.vocab_size:
+        raise SpecbenchError(f"checkpoint {path} is an EAGLE-3 head for a vocabulary of {cfg['vocab_size']}; the "
+                             f"target {target.name!r} has {target.vocab_size}")
+    n = int(cfg.get("draft_vocab_size") or target.vocab_size)
+    fc_in = 3 * int(cfg.get("target_hidden_size") or base.hidden_size)
+    layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
+        cfg.get("eagle_aux_hidden_state_layer_ids")
+    layers = tuple(layers) if layers else default_layers(base.num_hidden_layers)
+    theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+    heads = cfg["num_attention_heads"]
+    head_cfg = head_config(target, h, heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"],
+                           cfg.get("rms_norm_eps", base.rms_norm_eps), theta)
+    head = Eagle3Head(target, head_cfg, layers, n, fc_in)
+    state = read_state(path)
+    emb = state.pop("embed_tokens.weight", None)
+    if emb is not None and tuple(emb.shape) != tuple(target.decoder.embed_tokens.weight.shape):
+        raise SpecbenchError(f"checkpoint {path}: embed_tokens {tuple(emb.shape)} does not match the target's "
+                             f"{tuple(target.decoder.embed_tokens.weight.shape)} (another vocabulary)")
+    t2d = state.pop("t2d", None)
+    if "d2t" not in state:
+        if n != target.vocab_size:
+            raise SpecbenchError(f"checkpoint {path}: a draft vocabulary of {n} needs d2t, which it lacks")
+        state["d2t"] = torch.zeros(n, dtype=torch.long)  # the whole vocabulary (the authors drop d2t/t2d then)
+    state["d2t"] = state["d2t"].long()
+    params = dict(head.named_parameters())
+    copy_state(path, {k.removeprefix("model."): v for k, v in state.items()}, params, "an EAGLE-3 head")
+    head.sync_t2d()
+    if t2d is not None and not torch.equal(t2d.bool().to(head.t2d.device), head.t2d):
+        raise SpecbenchError(f"checkpoint {path}: t2d does not mark the ids d2t maps the draft vocabulary to")
+    return head.to(target.device, target.dtype)
+
+
+SERVING_FORMATS = ("sglang", "speculators")
+
+
+def save_for_serving(head: Eagle3Head, target, out: Path, fmt: str, verifier: str, speculative_tokens: int) -> Path:
+    """`head` written for a serving engine (config.json + model.safetensors in the target's dtype, ids int64, t2d
+    bool):
+    - sglang: the authors' own layout (fc, midlayer.*, norm, lm_head, d2t, t2d) under architecture
+      LlamaForCausalLMEagle3, what SGLang / SpecForge load and vLLM's native EAGLE-3 loader reads too. Layers other
+      than the default go into eagle_config in SGLang's convention (the output of layer i: our index - 1).
+    - speculators: vLLM's speculators format (architecture Eagle3Speculator, `layers.0.*`, a transformer_layer_config,
+      eagle_aux_hidden_state_layer_ids as vLLM reads them: the input of layer i, our index; norm_before_residual false,
+      which is EAGLE-3's residual on the un-normed h, where vLLM's own default is true)."""
+    if fmt not in SERVING_FORMATS:
+        raise SpecbenchError(f"export.format={fmt!r} is not one of {', '.join(SERVING_FORMATS)}")
+    base, layer = target.model.config, head.midlayer
+    a = layer.self_attn
+    h = head.fc.out_features
+    dtype = str(target.dtype).removeprefix("torch.")
+    llama = {"model_type": "llama", "hidden_act": getattr(base, "hidden_act", "silu"), "hidden_size": h,
+             "intermediate_size": layer.mlp.down_proj.in_features, "num_attention_heads": layer.nh,
+             "num_key_value_heads": layer.nkv, "head_dim": layer.dh, "num_hidden_layers": 1,
+             "rms_norm_eps": layer.rms_norm_eps, "rope_theta": layer.rope_theta,
+             "rope_scaling": None, "max_position_embeddings": getattr(base, "max_position_embeddings", None),
+             "vocab_size": target.vocab_size, "tie_word_embeddings": False, "torch_dtype": dtype,
+             "bos_token_id": getattr(base, "bos_token_id", None), "eos_token_id": getattr(base, "eos_token_id", None),
+             "pad_token_id": getattr(base, "pad_token_id", None)}
+    n = head.d2t.shape[0]
+    default = head.layers == default_layers(base.num_hidden_layers)
+    fc_in = head.fc.in_features // len(head.layers)
+    state = {k: v.detach().to(target.dtype).cpu().contiguous() for k, v in head.named_parameters() if k != "d2t"}
+    state["d2t"] = head.d2t.detach().long().cpu().contiguous()
+    state["t2d"] = head.t2d.detach().bool().cpu().contiguous()
+    if fmt == "sglang":
+        cfg = {"architectures": ["LlamaForCausalLMEagle3"], **llama, "draft_vocab_size": n}
+        if fc_in != h:
+            cfg["target_hidden_size"] = fc_in
+        if not default:
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in head.layers],
+                                   "use_aux_hidden_state": True}
+    else:
+        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+               "transformer_layer_config": {**llama, "architectures": ["LlamaForCausalLM"]},
+               "draft_vocab_size": n, "norm_before_residual": False, "target_hidden_size": None if fc_in == h else fc_in,
+               "eagle_aux_hidden_state_layer_ids": list(head.layers), "torch_dtype": dtype,
+               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                      "proposal_methods": [{"proposal_type": "greedy",
+                                                            "speculative_tokens": speculative_tokens}],
+                                      "verifier": {"name_or_path": verifier,
+                                                   "architectures": list(base.architectures or [])}}}
+        state = {(f"layers.0.{k.removeprefix('midlayer.')}" if k.startswith("midlayer.") else k): v
+                 for k, v in state.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+class Eagle3Drafter(TrainableDrafter):
+    name = "eagle3"
+    needs = frozenset({LAYERS})
+    Options = Eagle3Options
+
+    def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
+        self.head = self.load_module(target, checkpoint, module)
+        self.hidden_layers = self.head.layers
+        self.target, self.embed, self.device = target, target.decoder.embed_tokens, target.device
+        self.policy = make_tree(**(tree or {"kind": "dynamic"}))
+        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # the head's K, V over verified pairs
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (fused features [1,n,3H], next tokens [1,n])
+
+    def save_for_serving(self, out: Path, fmt: str, verifier: str) -> Path:
+        """This head for SGLang or vLLM (save_for_serving); a chain of the tree's depth for vLLM's proposer."""
+        return save_for_serving(self.head, self.target, out, fmt, verifier, getattr(self.policy, "depth", 3))
+
+    # ---- module ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
+        """The project's checkpoints, or a head published in the authors' layout (detected from its files)."""
+        if checkpoint and is_authors_layout(resolve(checkpoint)):
+            return load_authors_eagle3(resolve(checkpoint), target).eval().requires_grad_(False)
+        head = super().load_module(target, checkpoint, options)
+        head.sync_t2d()  # d2t came with the weights
+        return head
+
+    @classmethod
+    def decoding_options(cls, options: dict) -> dict:
+        return {k: v for k, v in options.items() if k not in TRAINING_ONLY}
+
+    @classmethod
+    def build_module(cls, target, opts: Eagle3Options) -> Eagle3Head:
+        base = target.model.config
+        heads = base.num_attention_heads
+        cfg = head_config(target, base.hidden_size, heads, getattr(base, "num_key_value_heads", None) or heads,
+                          opts.intermediate_size or base.intermediate_size, opts.rms_norm_eps or base.rms_norm_eps,
+                          opts.rope_theta or target_rope_theta(target))
+        layers = tuple(opts.layers) if opts.layers else default_layers(base.num_hidden_layers)
+        if any(not 0 <= i < base.num_hidden_layers for i in layers):
+            raise SpecbenchError(f"eagle3 layers {list(layers)}: hidden_states indices must be in 0 .. "
+                                 f"{base.num_hidden_layers - 1} (the inputs of the target's layers)")
+        n = min(opts.draft_vocab, target.vocab_size)
+        return Eagle3Head(target, cfg, layers, n, len(layers) * base.hidden_size).to(target.device)
+
+    @classmethod
+    def feature_layers(cls, module) -> tuple[int, ...]:
+        return module.layers
+
+    @classmethod
+    def fit_data(cls, module, counts: torch.Tensor, opts) -> None:
+        """The draft vocabulary: the N most frequent answer tokens (ties and unseen ids by id, as SpecForge pads)."""
+        del opts
+        n = module.d2t.shape[0]
+        order = sorted(range(counts.shape[0]), key=lambda i: (-int(counts[i]), i))
+        module.set_vocab(torch.tensor(order[:n]))
+
+    # ---- training -------------------------------------------------------------------------------------------------
+    @classmethod
+    def training_loss(cls, module, batch, target, opts: Eagle3Options):
+        """sum_i w^i CE(p_i, q_i) over the TTT steps (see the module docstring)."""
+        ids = batch.input_ids
+        n = ids.shape[1] - 1
+        real = batch.attn_mask[:, :n].bool()
+        draft_ids = module.draft_ids
+        loss, parts = 0.0, {}
+        for i, h in enumerate(module.ttt(target.decoder.embed_tokens, ids, batch.layers[:, :n], real, opts.steps)):
+            # step i at position t predicts x[t+2+i]; the target's law for it comes from its hidden state at t+1+i
+            m = max(0, n - 1 - i)
+            rows = batch.loss_mask[:, 2 + i : 2 + i + m].bool()  # [B, m] the predicted token is an answer token
+            full = target.lm_head(batch.hidden[:, 1 + i : 1 + i + m][rows].to(target.dtype)).float()  # [M, V]
+            keep = module.t2d[full.argmax(-1)]  # the authors' position_mask: the target's top-1 is draftable
+            p = full[keep][:, draft_ids].softmax(-1)
+            logq = module.draft_logits(h[:, :m][rows][keep]).float().log_softmax(-1)
+            ce = -(p * logq).sum(-1).sum() / real.sum().clamp(min=1)
+            loss = loss + opts.step_weight ** i * ce
+            parts[f"ce{i}"] = ce.item()
+            parts[f"top{i}"] = (logq.argmax(-1) == p.argmax(-1)).float().mean().item() if p.shape[0] else 0.0
+        return loss, parts
+
+    @classmethod
+    @torch.no_grad()
+    def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
+        """`hidden` [T, 3H]: the fused layers' inputs (the trainer's validation computes them from the target)."""
+        embed, out = target.decoder.embed_tokens, []
+        for t in positions:
+            causal = torch.ones(1, 1, t, t, dtype=torch.bool, device=hidden.device).tril()
+            h, k, v = module.step(embed(input_ids[None, 1 : t + 1]), module.fc(hidden[None, :t]),
+                                  torch.arange(t, device=hidden.device)[None], None, causal)
+            row, past, f = [], (k, v), h[:, -1:]
+            for d in range(depth):
+                x = module.target_logits(f).argmax(-1)  # [1, 1] a target id
+                row.append(x[0, 0])
+                allowed = torch.ones(1, 1, 1, past[0].shape[2] + 1, dtype=torch.bool, device=f.device)
+                f, k, v = module.step(embed(x), f, torch.tensor([[t + d]], device=f.device), past, allowed)
+                past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+            out.append(torch.stack(row))
+        return torch.stack(out)
+
+    # ---- decoding -------------------------------------------------------------------------------------------------
+    def prefill(self, state: TargetState) -> None:
+        self.past = None
+        self.pending = (state.layers, state.tokens[:, 1:])  # pairs (features_i, t_{i+1}), i = 0 .. L-1
+
+    @torch.inference_mode()
+    def propose(self, state: TargetState) -> DraftTree:
+        feats, toks = self.pending
+        n = toks.shape[1]
+        verified = 0 if self.past is None else self.past[0].shape[2]
+        pos = torch.arange(verified, verified + n, device=self.device)[None]
+        causal = visible(torch.ones(n, n, dtype=torch.bool, device=self.device).tril(), verified)
+        h, k, v = self.head.step(self.embed(toks), self.head.fc(feats.to(self.head.fc.weight.dtype)), pos,
+                                 self.past, causal)
+        self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2), torch.cat([self.past[1], v], 2))
+        verified += n
+        root_h = h[0, -1]
+        book = GrowingTree(self.policy.max_nodes, self.device)
+        hs = root_h.new_empty(self.policy.max_nodes + 1, root_h.shape[-1])  # [1 + nodes, H] row v+1: node v's h
+        hs[0] = root_h
+        drafted: list[tuple[torch.Tensor, torch.Tensor]] = []  # the tree's own K, V, appended level by level
+
+        def expand(level: Level) -> torch.Tensor:
+            h_in = hs[level.parents + 1][None]  # [1, n, H] a node's input: its parent's output and its token
+            seen = book.add(level.nodes, level.parents)
+            pos = torch.full((1, level.nodes.shape[0]), verified + level.depth - 1, device=self.device)
+            past = (torch.cat([self.past[0], *[k for k, _ in drafted]], 2),
+                    torch.cat([self.past[1], *[v for _, v in drafted]], 2))
+            out, k, v = self.head.step(self.embed(level.tokens[None]), h_in, pos, past, visible(seen, verified))
+            drafted.append((k, v))
+            hs[level.nodes + 1] = out[0]
+            return self.head.target_logits(out[0])
+
+        return self.policy.grow(self.head.target_logits(root_h), expand).draft()
+
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        n = state.layers.shape[1]  # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)
+        self.pending = (state.layers, state.tokens[:, -n:])
+
