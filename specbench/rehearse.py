@@ -36,7 +36,8 @@ from specbench.records import read_jsonl
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = ("float32", "bfloat16", "float16")
 # drafters that decode from a published drafter's weights (eagle2 decodes eagle's head)
-USES = {"eagle": ["eagle", "eagle2"], "hass": ["hass"], "medusa": ["medusa"], "sd": ["sd"], "moa": ["moa"]}
+USES = {"eagle": ["eagle", "eagle2"], "hass": ["hass"], "medusa": ["medusa"], "sd": ["sd"], "moa": ["moa"],
+        "eagle3": ["eagle3"]}
 
 
 def published(model: str) -> dict[str, str]:
@@ -150,7 +151,7 @@ def show(out: Outcome) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="vicuna-7b,llama2-7b,llama3-8b")
+    ap.add_argument("--models", default="vicuna-7b,llama2-7b,llama3-8b,llama3.1-8b,vicuna-13b")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--limit", type=int, default=2, help="questions per set")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the paper preset's")

