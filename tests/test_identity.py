@@ -48,7 +48,10 @@ def test_a_checkpoint_of_an_fp32_target_loads_on_its_bf16_copy_and_not_on_anothe
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_committed_drafters_load_on_the_embedded_target_in_half_precision(make_cfg, dtype):
-    """Every committed drafter's recorded target is the embedded SmolLM2 loaded in bf16 or fp16."""
+    """Every committed drafter's recorded target is the embedded SmolLM2 loaded in bf16 or fp16, and its weights load
+    into the module its config builds today (every name and shape: a rebuilt module orphans old weights)."""
+    from hydra.utils import get_class
+
     from specbench.config import ModelConfig, to_dataclass
     from specbench.models import load_model
     from specbench.target import TargetModel
@@ -60,5 +63,17 @@ def test_committed_drafters_load_on_the_embedded_target_in_half_precision(make_c
     assert target.dtype == getattr(torch, dtype)
     metas = sorted((REPO / "weights" / "smollm2-135m").glob("*/config.json"))
     assert len(metas) >= 9
+    misfits = set()
     for path in metas:
         check_target(path.parent, json.loads(path.read_text()), target)
+        cls = get_class(make_cfg(f"drafter={path.parent.name}", tiny=False).drafter._target_)
+        try:
+            module = cls.load_module(target, str(path.parent), None)
+        except SpecbenchError as e:
+            assert "does not fit" in str(e), e
+            misfits.add(path.parent.name)
+            continue
+        assert next(module.parameters()).dtype == target.dtype, path.parent.name
+    # moa's and moa_tli1's weights predate MoA's module rebuilt as its authors' (20124d5) and are not retrained yet
+    # (issue 27): they must be the only misfits, and once retrained this line must go
+    assert misfits == {"moa", "moa_tli1"}
