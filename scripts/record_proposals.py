@@ -25,6 +25,7 @@ MAX_NEW = 48
 class Recording:
     def __init__(self, inner):
         self.inner, self.needs, self.trees = inner, inner.needs, []
+        self.hidden_layers = inner.hidden_layers
 
     def prefill(self, state):
         self.inner.prefill(state)
