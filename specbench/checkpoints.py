@@ -160,7 +160,8 @@ def load_checkpoint(path: Path, module: torch.nn.Module, target, drafter: str) -
         raise SpecbenchError(f"checkpoint {path} is a {meta.get('drafter')!r} drafter, not {drafter!r}")
     check_target(path, meta, target)
     state = load_file(str(Path(path) / "model.safetensors"))
-    check_keys(path, set(state), set(own_state(module, target)), "the module")
+    check_keys(path, set(state), set(own_state(module, target)),
+               f"the module (made by another version of it? retrain: python -m specbench.train drafter={drafter})")
     params = dict(module.named_parameters())
     with torch.no_grad():
         for k, v in state.items():
