@@ -155,6 +155,7 @@ class CoralRouterDrafter(CoralDrafter):
 
     name = "coral_router"
     Options = CoralRouterOptions
+    prunable = False  # the router already restricts the LM head to its active groups (module.draft_vocab refused)
 
     @staticmethod
     def head_options(opts: CoralRouterOptions) -> CoralOptions:

@@ -19,6 +19,12 @@ target's, which the target's config records). The concatenation order is
 The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entries are appended while a tree grows
 (tree attention over the draft's own cache) and cropped off before verification; after verification the new pairs
 (true features of the root and the accepted path, with the next tokens) are appended at the next propose.
+
+Draft vocabulary (`+drafter.module.draft_vocab=N`, eagle / eagle2 / hass / coral; not EAGLE's, EAGLE-3's idea applied
+at decoding time): drafted rows are scored by the N rows of the target's LM head for the N most frequent answer
+tokens (specbench.vocab, counted from the training answers) and scattered back into the vocabulary, -inf elsewhere.
+The head's weights are unchanged and the target verifies every drafted token, so the output is unchanged (lossless);
+what changes is the draft time (N of V rows per drafted row) and tau (a token outside the N cannot be drafted).
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from specbench.checkpoints import check_authors_config, copy_state, read_state, 
 from specbench.errors import SpecbenchError
 from specbench.tree import tree_attention_mask
 from specbench.types import DraftTree, TargetState, VerifyResult
+from specbench.vocab import COUNTS_FILE, PrunedLMHead, pruned_lm_head
 
 
 class EagleHead(nn.Module):
@@ -126,6 +133,9 @@ class EagleOptions:
     bias: bool = True  # fc's bias (the authors' default; a published config may say `bias: false`)
     input_norm: bool = False  # the authors' layer 0 has none
     rms_norm_eps: float | None = None  # None: the target's
+    # decoding only (not the module's shape; read from the run's config, never from a checkpoint):
+    draft_vocab: int | None = None  # N: draft over the N most frequent answer tokens only (None: the whole vocabulary)
+    vocab_counts: str | None = None  # their counts (specbench.vocab); None: token_counts.safetensors beside the weights
 
 
 class EagleDrafter(TrainableDrafter):
@@ -133,15 +143,30 @@ class EagleDrafter(TrainableDrafter):
     needs = frozenset({HIDDEN})
     Options = EagleOptions
     w_cls = 0.1  # Sec. 4.2: L = L_reg + w_cls L_cls
+    prunable = True  # its drafting applies the target's whole LM head: module.draft_vocab may prune it
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
         self.head = self.load_module(target, checkpoint, module)
         self.target = target
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
+        self.vocab = self.pruned_head(target, checkpoint, module or {})
         self.cache: DynamicCache | None = None
         self.verified = 0  # pairs of verified tokens in the head's cache
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (features [B,n,H], next tokens [B,n])
+
+    @classmethod
+    def pruned_head(cls, target, checkpoint: str | None, module: dict) -> PrunedLMHead | None:
+        """Draft-vocabulary pruning (issue 28): the run's `module.draft_vocab` most frequent tokens, ranked by the
+        counts in `module.vocab_counts` or beside the weights; None without the option."""
+        n = module.get("draft_vocab")
+        if n is None:
+            return None
+        if not cls.prunable:
+            raise SpecbenchError(f"drafter {cls.name!r} drafts through its own router, not the whole LM head: "
+                                 f"module.draft_vocab does not apply")
+        counts = module.get("vocab_counts") or (Path(checkpoint).parent / COUNTS_FILE if checkpoint else None)
+        return pruned_lm_head(target, int(n), None if counts is None else Path(counts))
 
     def save_authors_layout(self, out: Path) -> Path:
         """This head in the authors' layout (save_authors_head): what `make peer` gives their EaModel."""
@@ -201,6 +226,8 @@ class EagleDrafter(TrainableDrafter):
         self.pending = (state.hidden, state.tokens[:, 1:])  # pairs (f_i, t_{i+1}), i = 0 .. L-1
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
+        if self.vocab is not None:  # module.draft_vocab: the LM head's N frequent rows only
+            return self.vocab(f)
         return self.draft_logits(self.head, self.lm_head, f)
 
     @torch.inference_mode()

@@ -54,6 +54,7 @@ from specbench.drafter import LAYERS, TrainableDrafter
 from specbench.errors import SpecbenchError
 from specbench.tree import visible
 from specbench.types import DraftTree, TargetState, VerifyResult
+from specbench.vocab import frequent_ids
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -388,9 +389,7 @@ class Eagle3Drafter(TrainableDrafter):
     def fit_data(cls, module, counts: torch.Tensor, opts) -> None:
         """The draft vocabulary: the N most frequent answer tokens (ties and unseen ids by id, as SpecForge pads)."""
         del opts
-        n = module.d2t.shape[0]
-        order = sorted(range(counts.shape[0]), key=lambda i: (-int(counts[i]), i))
-        module.set_vocab(torch.tensor(order[:n]))
+        module.set_vocab(frequent_ids(counts, module.d2t.shape[0]))
 
     # ---- training -------------------------------------------------------------------------------------------------
     @classmethod

@@ -152,6 +152,13 @@ class ExportConfig:
 
 
 @dataclass
+class VocabConfig:
+    """specbench/vocab.py: the token counts of the training answers (draft vocabularies)."""
+
+    out: str = "${oc.env:SPECBENCH_WEIGHTS,weights}/${model.name}/token_counts.safetensors"
+
+
+@dataclass
 class RunConfig:
     """The schema of conf/config.yaml (registered with Hydra's ConfigStore as `specbench_schema`)."""
 
@@ -169,6 +176,7 @@ class RunConfig:
     drafters: list[str] = field(default_factory=list)  # specbench/perf_drafters.py: the drafters it measures
     peer: PeerConfig = field(default_factory=PeerConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
     report: Any = None  # an experiment's tables and figures (conf/experiment/*.yaml `report:`, specbench/report.py)
 
 

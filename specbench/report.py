@@ -81,6 +81,25 @@ class AutoTable:
     datasets: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class VocabTable:
+    """The EAGLE family's draft-vocabulary pruning (module.draft_vocab) per drafter, tree and N (vocab_report)."""
+
+    name: str
+    datasets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BoardTable:
+    """Spec-Bench's board (board_report): drafters x its six tasks in its own columns, with a published board beside."""
+
+    name: str
+    columns: tuple[tuple[str, str], ...]  # (Spec-Bench's column title, our dataset)
+    drafters: tuple[str, ...]
+    published: dict | None = None  # source, device, model, settings, rows {method: [6 speedups, accepted, overall]}
+    ours: tuple[tuple[str, str], ...] = ()  # (published method, our drafter) where they are the same method
+
+
 def experiment_report(exp: str) -> tuple[list, list[str]] | None:
     """What an experiment renders, from its own YAML (conf/experiment/<exp>.yaml, `report:`): tables (`kind: table`,
     the default, in the paper's layout; `router`; `auto`) and figures (leviathan, cost, tree_size). None when the
@@ -96,12 +115,17 @@ def experiment_report(exp: str) -> tuple[list, list[str]] | None:
             tables.append(router_table(*t["datasets"]))
         elif kind == "auto":
             tables.append(AutoTable(t["name"], tuple(t["datasets"])))
+        elif kind == "vocab":
+            tables.append(VocabTable(t["name"], tuple(t["datasets"])))
+        elif kind == "board":
+            tables.append(BoardTable(t["name"], tuple(t["columns"].items()), tuple(t["drafters"]), t.get("published"),
+                                     tuple((t.get("ours") or {}).items())))
         elif kind == "table":
             tables.append(Table(t["name"], t["caption"], tuple(t["drafters"]), tuple(t["datasets"]),
                                 tuple(t["metrics"]), tuple(float(x) for x in t.get("temperatures", [0.0])),
                                 bool(t.get("mean", False)), t.get("paper_tree", "")))
         else:
-            raise ValueError(f"{path}: report table kind {kind!r} is not table, router or auto")
+            raise ValueError(f"{path}: report table kind {kind!r} is not table, router, auto, vocab or board")
     return tables, list(node.get("figures", []))
 
 
@@ -473,6 +497,121 @@ def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Pa
     return written
 
 
+def vocab_key(summary: dict, head: dict) -> tuple:
+    """The draft_vocab table's cell: (drafter, dataset, none | paper | auto, N) with N = 0 for the whole vocabulary."""
+    module = head["config"]["drafter"].get("module") or {}
+    return (*tree_key(summary, head), int(module.get("draft_vocab") or 0))
+
+
+def vocab_report(exp_dir: Path, table: VocabTable) -> list[Path]:
+    """Each EAGLE-family drafter at its paper tree and at tree=auto, with its whole vocabulary and pruned to N
+    frequent tokens: draft and verify ms per step, tau, speedup, and the draft-time saving and tau cost against the
+    same drafter and tree with the whole vocabulary; CORAL's router (which prunes the same LM head by groups) beside
+    them."""
+    by_setting = load_runs(exp_dir, vocab_key)
+    written = []
+    for setting, cells in sorted(by_setting.items()):
+        order = {"eagle": 0, "eagle2": 1, "hass": 2, "coral": 3, "coral_router": 4}
+        drafters = sorted({k[0] for k in cells if k[0] != "none"}, key=lambda d: (order.get(d, 9), d))
+        present = {k[1] for k in cells}
+        datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
+        head = ["method", "dataset", "tree", "draft vocabulary", "Td ms/step", "Tv ms/step", "τ", "speedup",
+                "Td vs whole", "τ vs whole"]
+        rows = []
+        for ds in datasets:
+            for d in drafters:
+                for variant in ("paper", "auto"):
+                    ns = sorted({k[3] for k in cells if k[:3] == (d, ds, variant)}, key=lambda n: (n != 0, -n))
+                    whole = cells.get((d, ds, variant, 0))
+                    for n in ns:
+                        r = cells[(d, ds, variant, n)]
+                        auto = r["_head"].get("tree_auto")
+                        tree = cut_of(auto["chosen"]) if auto else tree_of(r["_head"]["config"]["drafter"],
+                                                                           r["_head"].get("tree_used"))
+                        td, tau = value(r, "draft_ms"), value(r, "tau")
+                        td0, tau0 = value(whole, "draft_ms"), value(whole, "tau")
+                        rows.append([d, ds, f"{variant}: {tree}", "router" if d == "coral_router" else
+                                     "whole" if n == 0 else f"{n:,}", cell(r, "draft_ms"), cell(r, "verify_ms"),
+                                     cell(r, "tau"), cell(r, "spu"),
+                                     MISSING if n == 0 or None in (td, td0) else f"{td / td0 - 1:+.0%}",
+                                     MISSING if n == 0 or None in (tau, tau0) else f"{tau - tau0:+.2f}"])
+        used = list(cells.values())
+        caption = (f"Draft-vocabulary pruning (module.draft_vocab: the target's LM head restricted to the N tokens most "
+                   f"frequent in the training answers, specbench/vocab.py; lossless, the target verifies), T=0, at each "
+                   f"drafter's paper tree and at tree=auto (the cost model measures the pruned drafter); CORAL's "
+                   f"LM-head router, which prunes the same head by vocabulary groups, beside them; {setting.describe()}. "
+                   f"Td / Tv: draft / verify ms per SD iteration; 'vs whole': against the same drafter and tree with "
+                   f"the whole vocabulary. {provenance(used) if used else 'no runs yet'}.")
+        md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        md += ["| " + " | ".join(r) + " |" for r in rows]
+        path = exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md"
+        path.write_text("\n".join(md) + "\n")
+        written.append(path)
+    return written
+
+
+def question_speeds(run_dir: Path) -> tuple[list[float], list[int]]:
+    """Spec-Bench's per-question speed (evaluation/speed.py: a question's new tokens over its wall time, its turns
+    summed; each repeat a question of its own) and every step's accepted tokens (accepted + the bonus token)."""
+    per_q: dict[tuple, list[float]] = {}
+    steps: list[int] = []
+    for r in read_jsonl(run_dir / "records.jsonl"):
+        q = per_q.setdefault((r["repeat"], r["question_id"]), [0.0, 0.0])
+        q[0] += r["new_tokens"]
+        q[1] += r["wall_s"]
+        steps += r.get("tokens_per_step") or []
+    return [t / w for t, w in per_q.values() if w > 0], steps
+
+
+def board_report(exp_dir: Path, table: BoardTable) -> list[Path]:
+    """Spec-Bench's leaderboard in its own columns: per task the speedup (the mean per-question tokens/s of the
+    method over the baseline's, as its evaluation/speed.py computes it), the mean accepted tokens per step over all
+    tasks and the overall speedup (the same ratio over every question of the six tasks); then the published board
+    it mirrors, marked as another target and device."""
+    by_setting = load_runs(exp_dir)
+    written = []
+    mean = lambda xs: sum(xs) / len(xs)
+    for setting, cells in sorted(by_setting.items()):
+        head = ["method"] + [title for title, _ in table.columns] + ["#Mean Accepted Tokens", "Overall"]
+        rows, used = [], []
+        for name in table.drafters:
+            row, speeds, base_speeds, steps = [name], [], [], []
+            for _, ds in table.columns:
+                run = cells.get((name, ds, 0.0))
+                base = run and run.get("baseline_run") and exp_dir / run["baseline_run"]
+                if not run or not base or not (base / "records.jsonl").is_file():
+                    row.append(MISSING)
+                    continue
+                used.append(run)
+                sp, st = question_speeds(exp_dir / run["run"])
+                b, _ = question_speeds(base)
+                row.append(f"{mean(sp) / mean(b):.2f}x" if sp and b else MISSING)
+                speeds, base_speeds, steps = speeds + sp, base_speeds + b, steps + st
+            complete = MISSING not in row[1:]
+            row += [f"{mean(steps):.2f}" if complete and steps else MISSING,
+                    f"{mean(speeds) / mean(base_speeds):.2f}x" if complete and speeds else MISSING]
+            rows.append(row)
+        caption = (f"Spec-Bench's six tasks (Xia et al. 2024; shared/data/spec_bench), in its columns: speedup per task "
+                   f"and overall (mean per-question tokens/s over the baseline's, as its evaluation/speed.py), mean "
+                   f"accepted tokens per step over all tasks (1.00 for the baseline), T=0; each drafter at its paper's "
+                   f"tree; {setting.describe()}. {provenance(used) if used else 'no runs yet'}.")
+        md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        md += ["| " + " | ".join(r) + " |" for r in rows]
+        pub = table.published
+        if pub:
+            ours = dict(table.ours)
+            md += ["", f"**Published, another target and device: {pub['model']} on {pub['device']}, {pub['settings']} "
+                       f"({pub['source']}). Not comparable cell by cell with the table above (another model, another "
+                       f"device, full question sets); shown for the ordering of the methods. Our drafter of the same "
+                       f"method in brackets.**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            md += ["| " + " | ".join([f"{m} ({ours[m]})" if m in ours else m, *map(str, vals)]) + " |"
+                   for m, vals in pub["rows"].items()]
+        path = exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md"
+        path.write_text("\n".join(md) + "\n")
+        written.append(path)
+    return written
+
+
 def cut_of(tree: dict) -> str:
     """A tree=auto choice in a table cell: a dynamic tree's depth, top-k and tokens; a static cut's depth and tokens."""
     if tree.get("kind") == "dynamic":
@@ -545,6 +684,10 @@ def report(results: Path) -> list[Path]:
                     figure_cost(runs, exp_dir, ds, stem)
         for table in (t for t in tables if isinstance(t, AutoTable)):
             written += tree_auto_report(exp_dir, table, "tree_size" in figures)
+        for table in (t for t in tables if isinstance(t, VocabTable)):
+            written += vocab_report(exp_dir, table)
+        for table in (t for t in tables if isinstance(t, BoardTable)):
+            written += board_report(exp_dir, table)
     training_curves(results / "training", results / "training")
     trainmem(results / "trainmem")
     trainspeed(results / "trainspeed")

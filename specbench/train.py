@@ -138,11 +138,9 @@ def validation_data(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfi
     return out
 
 
-def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool, rank: int,
-                     world: int = 1):
-    """Train and validation FeatureSets (resumable), shared by every drafter. Under torchrun rank 0 writes the
-    self-distilled answers, then every rank extracts its share of the training shards; rank 0 alone the small
-    validation set. Stored K/V only with `kv` (train.kv_features=stored: MoA's otherwise come online)."""
+def features_root(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool) -> Path:
+    """The cache directory of a budget's answers and features on this target (named by the budget's data settings,
+    the target's dtype and its exact fingerprint)."""
     key = {"data": cfg.data_path, "n": cfg.conversations, "val": cfg.val_conversations, "max_len": cfg.max_len,
            "dtype": cfg.features_dtype, "kv": kv, "val_new": cfg.val_new_tokens, "system": model_cfg.system_prompt}
     if cfg.answers not in ("dataset", "target"):
@@ -154,27 +152,43 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     # features are the target's outputs in its loaded dtype: the dtype names the cache, and the exact fingerprint
     dtype = str(target.dtype).removeprefix("torch.")
-    root = Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{dtype}-{target_fingerprint(target)}" / tag
+    return Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{dtype}-{target_fingerprint(target)}" / tag
+
+
+def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, root: Path, rank: int = 0,
+                           world: int = 1) -> tuple[list[Encoded], list]:
+    """The budget's training conversations encoded (input ids, answer mask), and its held-out ones (not encoded).
+    With train.answers=target the answers are the target's own, generated once into `root` (resumable; under
+    torchrun rank r answers conversations i = r mod world)."""
+    path = Path(cfg.data_path).expanduser() if cfg.data_path else None
+    train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
+    if cfg.answers != "target":
+        return [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))], \
+            val_convs
+    # shared out: rank r answers conversations i = r mod world into its own file (resumable); all read every file.
+    # (On rank 0 alone the others waited at the barrier for hours and NCCL's watchdog ended the job.)
+    answers = root / ("answers.jsonl" if world == 1 else f"answers.rank{rank}of{world}.jsonl")
+    mine = [c if i % world == rank else None for i, c in enumerate(train_convs)]
+    target_answers(target, mine, model_cfg.system_prompt, cfg.max_len, cfg.answer_tokens, cfg.answer_batch_size,
+                   answers)
+    if world > 1:
+        dist.barrier()
+    files = [answers] if world == 1 else [root / f"answers.rank{r}of{world}.jsonl" for r in range(world)]
+    done = {i: e for f in files for i, e in read_done(f).items()}
+    return [done[i] for i in range(len(train_convs)) if i in done], val_convs
+
+
+def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool, rank: int,
+                     world: int = 1):
+    """Train and validation FeatureSets (resumable), shared by every drafter. Under torchrun rank 0 writes the
+    self-distilled answers, then every rank extracts its share of the training shards; rank 0 alone the small
+    validation set. Stored K/V only with `kv` (train.kv_features=stored: MoA's otherwise come online)."""
+    root = features_root(target, cfg, model_cfg, kv)
     try:  # complete already? (every rank reads the same directory)
         return FeatureSet.open(root / "train"), FeatureSet.open(root / "val")
     except SpecbenchError:
         pass
-    path = Path(cfg.data_path).expanduser() if cfg.data_path else None
-    train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
-    if cfg.answers == "target":
-        # shared out: rank r answers conversations i = r mod world into its own file (resumable); all read every file.
-        # (On rank 0 alone the others waited at the barrier for hours and NCCL's watchdog ended the job.)
-        answers = root / ("answers.jsonl" if world == 1 else f"answers.rank{rank}of{world}.jsonl")
-        mine = [c if i % world == rank else None for i, c in enumerate(train_convs)]
-        target_answers(target, mine, model_cfg.system_prompt, cfg.max_len, cfg.answer_tokens,
-                       cfg.answer_batch_size, answers)
-        if world > 1:
-            dist.barrier()
-        files = [answers] if world == 1 else [root / f"answers.rank{r}of{world}.jsonl" for r in range(world)]
-        done = {i: e for f in files for i, e in read_done(f).items()}
-        enc = [done[i] for i in range(len(train_convs)) if i in done]
-    else:
-        enc = [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))]
+    enc, val_convs = training_conversations(target, cfg, model_cfg, root, rank, world)
     if rank == 0 and not (root / "train" / "manifest.json").is_file():
         check_free_space(root, enc, target, cfg, kv)
     train = extract(target, enc, root / "train", cfg.features_dtype, cfg.features_shard, kv=kv, desc="train features",

@@ -21,12 +21,12 @@ DRAFTER_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
 PROMPTS = [[5, 17, 33, 17, 33, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [60, 61, 60, 61, 60]]
 
 
-def make_drafter(name: str, target: TargetModel) -> Drafter:
-    """The config as composed by Hydra, except trained weights: those belong to the embedded target, these targets
-    are tiny (an untrained module of the same shape goes through the same code)."""
+def make_drafter(name: str, target: TargetModel, *overrides: str) -> Drafter:
+    """The config as composed by Hydra (with `overrides`), except trained weights: those belong to the embedded
+    target, these targets are tiny (an untrained module of the same shape goes through the same code)."""
     register_schema()
     with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
-        node = compose(config_name="config", overrides=[f"drafter={name}"]).drafter
+        node = compose(config_name="config", overrides=[f"drafter={name}", *overrides]).drafter
     spec = inference_spec(node)
     if "checkpoint" in spec:
         spec["checkpoint"] = None

@@ -10,7 +10,7 @@ from specbench.data import load_questions
 CONF = Path(__file__).resolve().parents[1] / "conf" / "dataset"
 EXPECTED = {"mtbench": (80, 2), "humaneval": (80, 1), "humaneval_full": (164, 1), "gsm8k": (80, 1),
             "gsm8k_full": (1319, 1), "cnndm": (80, 1), "alpaca": (80, 1), "qa": (80, 1), "translation": (80, 1),
-            "rag": (80, 1), "specbench": (480, None)}
+            "rag": (80, 1), "specbench": (480, None), "specbench_mt": (80, 2), "specbench_math": (80, 1)}
 
 
 def dataset(name: str, **over) -> DatasetConfig:

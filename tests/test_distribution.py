@@ -4,7 +4,9 @@ The exact law of the 2nd and 3rd generated tokens (both decided by tree verifica
 enumerated from the target; the engine's samples must pass a chi-square test against it, and their total-variation
 gap must shrink as samples grow. A negative control shows the test rejects a wrong distribution (the draft model's)."""
 import itertools
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from specbench.engine import Engine
 from specbench.sampling import logits_to_probs
 from specbench.target import TargetModel
 from specbench.types import SamplingParams
+from specbench.vocab import save_counts
 from tests.helpers import RandomTreeDrafter, tiny_llama
 
 V = 8
@@ -48,6 +51,12 @@ def exact_law(t: TargetModel, params: SamplingParams) -> dict[tuple[int, int], f
 def seeded(cls, t, **kw):
     torch.manual_seed(0)  # untrained heads: random but fixed
     return cls(t, **kw)
+
+
+def counts(t: TargetModel) -> Path:
+    """Token counts ranking ids 6, 1, 4 first (specbench.vocab's file), in a fresh temporary directory."""
+    path = Path(tempfile.mkdtemp()) / "token_counts.safetensors"
+    return save_counts(path, torch.tensor([0, 5, 0, 0, 3, 0, 9, 0]), t, "test")
 
 
 def samples(t: TargetModel, drafter, params: SamplingParams, n: int, seed: int) -> Counter:
@@ -85,6 +94,9 @@ DRAFTERS = {
     # the router leaves most of the vocabulary unreachable (q = 0 outside one of 4 groups): still lossless
     "coral-router-dynamic-tree": lambda t: seeded(CoralRouterDrafter, t, module={"groups": 4, "active": 1},
                                                   tree={"kind": "dynamic", "depth": 3, "topk": 2, "total_tokens": 6}),
+    # a pruned draft vocabulary (module.draft_vocab): q = 0 outside the 3 most frequent ids, still lossless
+    "eagle2-draft-vocab": lambda t: seeded(EagleDrafter, t, module={"draft_vocab": 3, "vocab_counts": str(counts(t))},
+                                           tree={"kind": "dynamic", "depth": 3, "topk": 3, "total_tokens": 8}),
     "medusa-static-tree": lambda t: seeded(MedusaDrafter, t, module={"num_heads": 2},
                                            tree=[[0], [1], [0, 0], [0, 1], [1, 0]]),
     "sd-sampling": lambda t: IndependentDrafter(t, gamma=3, module={"init_layers": [0, 1, 2]}),

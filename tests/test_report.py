@@ -156,3 +156,34 @@ def test_a_failed_job_is_named_in_its_table(make_cfg, tmp_path):
     assert "second line" not in md and "failed" in tex
     failures.clear(cfg)
     assert not path.exists()
+
+
+def test_question_speeds_are_spec_benchs(tmp_path):
+    """Spec-Bench's evaluation/speed.py: a question's speed is its turns' new tokens over their summed wall time."""
+    from specbench.report import question_speeds
+
+    rows = [{"repeat": 0, "question_id": "a", "turn": 0, "new_tokens": 10, "wall_s": 1.0, "tokens_per_step": [2, 3]},
+            {"repeat": 0, "question_id": "a", "turn": 1, "new_tokens": 30, "wall_s": 3.0, "tokens_per_step": [1]},
+            {"repeat": 0, "question_id": "b", "turn": 0, "new_tokens": 4, "wall_s": 2.0, "tokens_per_step": [4]}]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert question_speeds(tmp_path) == ([10.0, 2.0], [2, 3, 1, 4])
+
+
+def test_the_specbench_board_in_its_columns_with_the_published_board(tmp_path, tiny_checkpoint):
+    """conf/experiment/specbench_board.yaml narrowed to pld on two of the six tasks, one question each: those two
+    cells are filled, the overall (which needs all six) is not, and the published A100 board follows, marked."""
+    args = [sys.executable, "-m", "specbench.run", "-m", "+experiment=specbench_board", "+preset=cpu",
+            f"model.path={tiny_checkpoint}", "model.name=tiny", "drafter=pld", "dataset=translation,qa",
+            "dataset.limit=1", "decoding.max_new_tokens=8", "bench.warmup=0", f"out.root={tmp_path / 'results'}"]
+    res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    report(tmp_path / "results")
+    md = (tmp_path / "results" / "specbench_board" / "board.tiny.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
+    assert rows["method"][1:3] == ["Multi-turn Conversation", "Translation"]
+    pld = rows["pld"]
+    assert pld[1] == "–" and pld[2].endswith("x") and pld[4].endswith("x") and pld[7:] == ["–", "– |"]
+    assert rows["eagle3"][1:] == ["–"] * 7 + ["– |"]
+    assert "another target and device: Vicuna-7B-v1.3" in md
+    assert rows["PLD (pld)"][1:] == ["1.60x", "1.06x", "2.66x", "1.19x", "1.62x", "1.86x", "1.75", "1.66x |"]

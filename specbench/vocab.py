@@ -1,0 +1,140 @@
+"""Token frequencies of a target's training answers, and the draft vocabularies ranked by them.
+
+    python -m specbench.vocab model=smollm2-135m          # -> weights/smollm2-135m/token_counts.safetensors
+
+EAGLE-3 builds its draft vocabulary (d2t / t2d) from these counts when it trains; the rest of the EAGLE family
+(eagle, eagle2, hass, coral) prunes its LM head to the N most frequent tokens at decoding time
+(`+drafter.module.draft_vocab=N`), reading the file this writes beside their weights. The counts are taken at the
+loss positions (the answers) of the training budget's conversations: with `train=embedded` the target's own answers
+(generated once, the cache every drafter trains from), with `train=paper` ShareGPT's. No target forward is needed
+beyond those answers, so a user's GPU box writes it in seconds once the answers exist.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from specbench.checkpoints import target_fingerprint
+from specbench.cli import cli, fail
+from specbench.config import ModelConfig, TrainConfig, register_schema, to_dataclass
+from specbench.conversations import Encoded
+from specbench.errors import SpecbenchError
+from specbench.models import load_model
+from specbench.target import TargetModel
+
+log = logging.getLogger("specbench.vocab")
+COUNTS_FILE = "token_counts.safetensors"
+
+
+def answer_counts(convs: list[Encoded], vocab: int) -> torch.Tensor:
+    """How often each token id occurs at the loss positions (the answers): [vocab] int64."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for enc in convs:
+        ids, mask = torch.tensor(enc.input_ids), torch.tensor(enc.loss_mask, dtype=torch.bool)
+        counts += torch.bincount(ids[mask], minlength=vocab)[:vocab]
+    return counts
+
+
+def frequent_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The n most frequent ids [n], most frequent first; ties and unseen ids by id (as SpecForge pads its vocabulary)."""
+    return torch.argsort(-counts, stable=True)[:n]
+
+
+class PrunedLMHead:
+    """The target's frozen LM head restricted to a draft vocabulary of N ids (a copy of their N rows): scores only
+    those, and scatters them back into the target's vocabulary with -inf elsewhere, so the tree holds target ids and
+    ranks nothing outside the vocabulary (as EAGLE-3's d2t and vLLM's compute_logits). Lossless whatever N: the
+    target verifies every drafted token. The saving is the (V - N) rows not applied to each drafted row."""
+
+    def __init__(self, lm_head: torch.nn.Linear, ids: torch.Tensor):
+        self.ids = ids.sort().values.to(lm_head.weight.device)  # [N] target ids
+        self.weight = lm_head.weight.detach()[self.ids].contiguous()  # [N, H]
+        self.bias = None if lm_head.bias is None else lm_head.bias.detach()[self.ids].contiguous()  # [N]
+        self.vocab = lm_head.weight.shape[0]
+
+    def __call__(self, f: torch.Tensor) -> torch.Tensor:
+        """Features [.., H] -> logits [.., V]: the draft vocabulary's scores, -inf elsewhere."""
+        sub = torch.nn.functional.linear(f.to(self.weight.dtype), self.weight, self.bias)  # [.., N]
+        full = sub.new_full((*sub.shape[:-1], self.vocab), float("-inf"))
+        return full.index_copy_(-1, self.ids, sub)
+
+
+def pruned_lm_head(target: TargetModel, n: int | None, counts_path: Path | None) -> PrunedLMHead | None:
+    """The target's LM head pruned to its n most frequent answer tokens (counts from `counts_path`), or None for the
+    whole vocabulary (n None, or n >= V)."""
+    if n is None:
+        return None
+    if n < 1:
+        raise SpecbenchError(f"module.draft_vocab={n}: a draft vocabulary needs at least one token")
+    if n >= target.vocab_size:
+        return None
+    if counts_path is None:
+        raise SpecbenchError("module.draft_vocab needs token counts: set module.vocab_counts (this drafter has no "
+                             "checkpoint directory beside which to look)")
+    return PrunedLMHead(target.lm_head, frequent_ids(load_counts(counts_path, target), n))
+
+
+def save_counts(path: Path, counts: torch.Tensor, target: TargetModel, source: str) -> Path:
+    """Write counts [V] with the target they belong to (its fingerprint) and where they came from."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"counts": counts.long().contiguous()}, str(tmp),
+              metadata={"target": target.name, "fingerprint": target_fingerprint(target), "source": source,
+                        "tokens": str(int(counts.sum()))})
+    tmp.chmod(0o644)  # (safetensors writes its file private)
+    tmp.rename(path)  # nothing half-written where a run looks
+    return path
+
+
+def load_counts(path: Path, target: TargetModel) -> torch.Tensor:
+    """Counts [V] for `target`; a missing file, another vocabulary or another target's file is one line."""
+    if not path.is_file():
+        raise SpecbenchError(f"a draft vocabulary needs token counts, and {path} does not exist: write it with "
+                             f"`python -m specbench.vocab model={target.name}`, or point module.vocab_counts at one")
+    with safe_open(str(path), framework="pt") as f:
+        meta, counts = f.metadata() or {}, f.get_tensor("counts")
+    if counts.shape != (target.vocab_size,):
+        raise SpecbenchError(f"{path} counts {tuple(counts.shape)} tokens; the target's vocabulary has "
+                             f"{target.vocab_size} (another target's file)")
+    if meta.get("fingerprint") not in (None, target_fingerprint(target)):
+        raise SpecbenchError(f"{path} was counted for another target ({meta.get('target')}), not {target.name}")
+    return counts
+
+
+def write_counts(cfg: DictConfig) -> Path:
+    from specbench.train import features_root, training_conversations
+
+    mc, tc = to_dataclass(ModelConfig, cfg.model), to_dataclass(TrainConfig, cfg.train)
+    model, tok, dev = load_model(mc)
+    target = TargetModel(model, tok, dev, mc.name)
+    enc, _ = training_conversations(target, tc, mc, features_root(target, tc, mc, kv=False))
+    counts = answer_counts(enc, target.vocab_size)
+    out = save_counts(Path(cfg.vocab.out), counts, target,
+                      f"answers of {len(enc)} training conversations (train.answers={tc.answers})")
+    log.info("wrote %s: %d answer tokens, %d distinct", out, int(counts.sum()), int((counts > 0).sum()))
+    return out
+
+
+register_schema()
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    try:
+        write_counts(cfg)
+    except SpecbenchError as e:
+        fail(e)
+
+
+def main() -> None:
+    cli(_main)
+
+
+if __name__ == "__main__":
+    main()
