@@ -221,7 +221,7 @@ class EagleDrafter(TrainableDrafter):
 
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
-        self.cache = DynamicCache(config=self.head.body.config)
+        self.cache = self.target.drafter_cache(self.head.body.config, state.tokens.shape[1] + 1024)
         self.verified = 0
         self.pending = (state.hidden, state.tokens[:, 1:])  # pairs (f_i, t_{i+1}), i = 0 .. L-1
 

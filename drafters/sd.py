@@ -140,6 +140,7 @@ class IndependentDrafter(TrainableDrafter):
         else:
             self.model = self.load_module(target, checkpoint, module)
         self.model.eval().requires_grad_(False)
+        self.new_cache = target.drafter_cache  # the target's kind of cache (model.cache)
         self.cache: DynamicCache | None = None
         self.cached = 0  # tokens in self.cache: always a prefix of the verified tokens plus the last drafts
 
@@ -186,7 +187,7 @@ class IndependentDrafter(TrainableDrafter):
 
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = self.new_cache(self.model.config, state.tokens.shape[1] + 1024)
         self.cached = 0
 
     @torch.inference_mode()

@@ -35,6 +35,9 @@ class ModelConfig:
     # whole model on `device`. The engine works on the input embeddings' device; logits and hidden states come back
     # there (specbench/target.py), and the cache is compacted on each layer's own device.
     device_map: Any = None
+    # the target's KV cache: dynamic = transformers' DynamicCache (a torch.cat of every layer's cache per forward);
+    # preallocated = buffers sized to the run's context, written in place (specbench/kvcache.py, issue 30)
+    cache: str = "dynamic"
     revision: str | None = None
     # drafter -> the hub repository of its authors' published weights for this target (`make download` puts them in
     # weights/<name>/<drafter>/, where the drafter configs look); only checkpoints that exist are listed

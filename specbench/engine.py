@@ -120,7 +120,8 @@ class Engine:
         prompt = torch.tensor([prompt_ids], device=dev)  # [1, L]
         sync(devs)
         t0 = time.perf_counter()
-        cache = target.new_cache()
+        # the positions this generation can reach: prompt, new tokens, and one tree past them before compaction
+        cache = target.new_cache(context or len(prompt_ids) + max_new_tokens + 256)
         layers = tuple(drafter.hidden_layers) if LAYERS in drafter.needs else ()  # EAGLE-3's low/middle/high
         fwd = target.prefill(prompt, cache, layers=layers)
         first = self._first_token(fwd.logits[0, -1], generator)

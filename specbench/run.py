@@ -42,7 +42,10 @@ def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
             "system_prompt": cfg.system_prompt, "attn_implementation": cfg.attn_implementation,
             "device_map": cfg.device_map,
             # only when set: runs made before the option keep their names (the fast tokenizer was the only one)
-            **({} if cfg.use_fast_tokenizer else {"use_fast_tokenizer": False})}
+            **({} if cfg.use_fast_tokenizer else {"use_fast_tokenizer": False}),
+            # (the same: DynamicCache was the only cache; a preallocated one computes the same attention, yet a run
+            # says which it decoded with)
+            **({} if cfg.cache == "dynamic" else {"cache": cfg.cache})}
 
 
 def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: int, seed: int) -> dict:
@@ -165,7 +168,7 @@ class Runner:
             raise SpecbenchError("bench.repeats must be >= 1 and bench.warmup >= 0")
         self.questions = load_questions(self.dataset_cfg)
         model, tok, device = load_model(self.model_cfg)
-        self.target = TargetModel(model, tok, device, self.model_cfg.name)
+        self.target = TargetModel(model, tok, device, self.model_cfg.name, cache=self.model_cfg.cache)
         self.identity = model_identity(self.model_cfg, device, self.target.dtype)
         self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
         self.tree_auto: dict | None = None  # tree=auto: the chosen tree and its prediction (run.json)

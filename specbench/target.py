@@ -9,9 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from specbench.errors import SpecbenchError
+from specbench.kvcache import PreallocatedCache
 
 from specbench.tree import tree_attention_mask, tree_position_ids
+
+CACHES = ("dynamic", "preallocated")  # model.cache
 
 
 @dataclass
@@ -24,11 +29,16 @@ class TargetForward:
 class TargetModel:
     """Owns nothing but the model: each generation creates its own cache with `new_cache()`."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device, name: str):
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device, name: str,
+                 cache: str = "dynamic"):
         cfg = model.config
+        if cache not in CACHES:
+            raise SpecbenchError(f"model.cache={cache!r} is not one of {', '.join(CACHES)}")
+        if cache == "preallocated":
+            PreallocatedCache(cfg, 1)  # a config it cannot hold fails here, in one line, not mid-run
         if getattr(cfg, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model_type}: logit soft-capping is not supported by TargetModel")
-        self.model, self.tokenizer, self.device, self.name = model, tokenizer, device, name
+        self.model, self.tokenizer, self.device, self.name, self.cache = model, tokenizer, device, name, cache
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
@@ -44,14 +54,25 @@ class TargetModel:
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, capacity: int | None = None) -> Cache:
+        """A fresh cache for one generation; `capacity`: the positions it will hold (a preallocated cache sizes its
+        buffers to it; it grows past it if it must)."""
+        if self.cache == "preallocated":
+            return PreallocatedCache(self.model.config, capacity or 1024)
         return DynamicCache(config=self.model.config)
+
+    def drafter_cache(self, config, capacity: int) -> Cache:
+        """A cache of the target's kind (model.cache) for a drafter's own decoder of `config` (EAGLE's head, sd's
+        draft model): `capacity` positions, grown past them if it must."""
+        if self.cache == "preallocated":
+            return PreallocatedCache(config, capacity)
+        return DynamicCache(config=config)
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, Q]
-        cache: DynamicCache,
+        cache: Cache,
         position_ids: torch.Tensor | None = None,  # [B, Q]
         attention_mask: torch.Tensor | None = None,  # [B, 1, Q, cached+Q] additive, or None = causal
         logits_rows: slice | torch.Tensor = slice(None),
@@ -71,11 +92,11 @@ class TargetModel:
         picked = torch.cat([out.hidden_states[i].to(self.device) for i in layers], -1) if layers else None
         return TargetForward(logits=logits.to(self.device), hidden=hidden.to(self.device), layers=picked)
 
-    def prefill(self, prompt: torch.Tensor, cache: DynamicCache, layers: tuple[int, ...] = ()) -> TargetForward:
+    def prefill(self, prompt: torch.Tensor, cache: Cache, layers: tuple[int, ...] = ()) -> TargetForward:
         """prompt [B, L] -> logits of the last position [B, 1, V]; hidden [B, L, H]."""
         return self.forward(prompt, cache, logits_rows=slice(-1, None), layers=layers)
 
-    def verify(self, root: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor, cache: DynamicCache,
+    def verify(self, root: torch.Tensor, tokens: torch.Tensor, anc: torch.Tensor, cache: Cache,
                causal: bool = False, layers: tuple[int, ...] = ()) -> TargetForward:
         """One forward over [root, node_0..node_{N-1}]: root [B, 1], tokens [B, N], anc [N+1, N+1] (the tree's
         ancestor_matrix) -> logits [B, N+1, V]. causal=True: the tree is a chain (or a lone root), which the model's
@@ -88,7 +109,7 @@ class TargetModel:
         return self.forward(ids, cache, position_ids=pos, attention_mask=mask, layers=layers)
 
 
-def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor, contiguous: bool) -> None:
+def compact_cache(cache: Cache, prefix_len: int, keep: torch.Tensor, contiguous: bool) -> None:
     """Keep the prefix, the root (at prefix_len) and the accepted nodes keep [A] (node i at prefix_len + 1 + i, in
     path order); drop the rest. The A accepted entries are copied into place behind the root, then every layer is
     cropped: O(A) copies per layer, whatever the context. contiguous: the path is nodes 0..A-1 (a crop is enough).
@@ -111,7 +132,7 @@ def kv_per_token(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.cat([k, v], -1).transpose(-3, -2).flatten(-2)
 
 
-def cache_kv(cache: DynamicCache, device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def cache_kv(cache: Cache, device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V) of the cache for drafters that read the target's key/values (MoA): views where a layer sits on
     `device` (the drafter's, the engine's), copies where a device map put it on another GPU."""
     move = (lambda x: x) if device is None else (lambda x: x.to(device, non_blocking=True))

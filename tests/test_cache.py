@@ -1,17 +1,26 @@
 """Cache compaction after verification (specbench/target.py): the accepted entries are moved into place behind the
-root and the rest is cropped, in the storage the cache already has (the prefix is never copied)."""
+root and the rest is cropped, in the storage the cache already has (the prefix is never copied). The preallocated
+cache (specbench/kvcache.py, model.cache=preallocated) decodes every drafter to the same tokens and steps as
+DynamicCache, writes in place and grows only past its capacity."""
 import pytest
 import torch
 from transformers import DynamicCache
 
-from specbench.target import compact_cache
-from tests.helpers import tiny_llama
+from specbench.engine import Engine
+from specbench.errors import SpecbenchError
+from specbench.kvcache import PreallocatedCache
+from specbench.target import TargetModel, compact_cache
+from specbench.types import SamplingParams
+from tests.helpers import hf_greedy, tiny_llama
+
+CACHES = {"dynamic": lambda cfg: DynamicCache(config=cfg), "preallocated": lambda cfg: PreallocatedCache(cfg, 64)}
 
 
+@pytest.mark.parametrize("kind", sorted(CACHES))
 @pytest.mark.parametrize("keep", [[], [0], [0, 1, 2], [1], [0, 3, 5], [2, 4]])
-def test_compact_keeps_prefix_root_and_the_accepted_entries(keep):
+def test_compact_keeps_prefix_root_and_the_accepted_entries(keep, kind):
     model = tiny_llama()
-    cache = DynamicCache(config=model.config)
+    cache = CACHES[kind](model.config)
     prefix, nodes = 9, 6
     torch.manual_seed(0)
     model(input_ids=torch.randint(0, 100, (1, prefix + 1 + nodes)), past_key_values=cache, use_cache=True)
@@ -22,3 +31,52 @@ def test_compact_keeps_prefix_root_and_the_accepted_entries(keep):
     for layer, (k, v, ptr) in zip(cache.layers, before):
         assert torch.equal(layer.keys, k[..., idx, :]) and torch.equal(layer.values, v[..., idx, :])
         assert layer.keys.data_ptr() == ptr  # moved in place and cropped: the prefix was not rebuilt
+
+
+def test_a_preallocated_cache_attends_as_a_dynamic_one_and_grows_only_past_its_capacity():
+    model = tiny_llama()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (1, 12))
+    small, ref = PreallocatedCache(model.config, 8), DynamicCache(config=model.config)
+    out, out0 = [], []
+    for chunk in (ids[:, :5], ids[:, 5:7], ids[:, 7:12]):  # the third forward runs past 8 positions
+        out.append(model(input_ids=chunk, past_key_values=small, use_cache=True).logits)
+        out0.append(model(input_ids=chunk, past_key_values=ref, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(out, 1), torch.cat(out0, 1), atol=0, rtol=0)
+    layer = small.layers[0]
+    assert small.get_seq_length() == 12 and layer.capacity == 24  # grown once, to twice the need
+    ptr = layer.keys.data_ptr()
+    small.crop(-3)
+    model(input_ids=ids[:, 9:11], past_key_values=small, use_cache=True)
+    assert small.get_seq_length() == 11 and layer.keys.data_ptr() == ptr  # a crop and a write: no reallocation
+    with pytest.raises(AttributeError, match="written in place"):
+        layer.keys = torch.zeros(1)
+
+
+@pytest.mark.parametrize("name", ["pld", "sd", "sd_tree", "medusa", "eagle", "eagle2", "eagle3", "hass", "coral",
+                                  "coral_router", "beagle", "moa", "moa_tli1"])
+def test_every_drafter_decodes_the_same_steps_through_either_cache(name):
+    """The engine with model.cache=preallocated (sized to the run, as Engine.generate sizes it) against DynamicCache:
+    the same tokens, the same accepted tokens per step, and both equal to the target's greedy output."""
+    from tests.test_conformance import PROMPTS, make_drafter
+
+    model = tiny_llama(scale=20.0)
+    gens = []
+    for kind in sorted(CACHES):
+        target = TargetModel(model, None, torch.device("cpu"), "tiny", cache=kind)
+        drafter = make_drafter(name, target)
+        gens.append([Engine(target, drafter, SamplingParams()).generate(p, 40) for p in PROMPTS])
+    for dyn, pre, prompt in zip(*gens, PROMPTS):
+        assert pre.new_tokens == dyn.new_tokens == hf_greedy(model, prompt, 40)
+        assert pre.tokens_per_step == dyn.tokens_per_step
+
+
+def test_a_target_whose_layers_it_cannot_hold_is_refused_in_one_line():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=16)
+    with pytest.raises(SpecbenchError, match="full-attention layers only"):
+        TargetModel(MistralForCausalLM(cfg), None, torch.device("cpu"), "m", cache="preallocated")
+    with pytest.raises(SpecbenchError, match="model.cache='static' is not one of dynamic, preallocated"):
+        TargetModel(tiny_llama(), None, torch.device("cpu"), "t", cache="static")

@@ -1,0 +1,119 @@
+"""A preallocated KV cache (issue 30): a transformers `Cache` whose layers write keys and values in place into buffers
+sized once, instead of DynamicCache's torch.cat of the whole cache at every forward (a copy of every layer's keys and
+values per step).
+
+- `update` writes the new rows at the current length (a slice assignment) and returns views of the buffers up to the
+  new length: attention reads exactly what DynamicCache's would, so outputs are the same (tested token for token);
+- `crop` is a length change, compaction (specbench/target.py compact_cache) an in-place copy of the accepted entries
+  through the same views;
+- a buffer grows (doubling, one copy) only when a forward would run past it: sized to the run's context, it never does.
+
+Every row of the batch shares one length (the engine decodes one prompt per row at batch 1); ragged rows (issue 29) are
+per-row lengths over the same buffers. No transformers code is forked or patched: the model calls `update`,
+`get_seq_length` and `get_mask_sizes` as it does on any Cache.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specbench.errors import SpecbenchError
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One attention layer's K / V buffers [B, kv_heads, capacity, head_dim] and the length in use."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, capacity: int):
+        self.capacity = max(int(capacity), 1)
+        self.length = 0
+        self._k: torch.Tensor | None = None  # [B, kv_heads, capacity, head_dim]
+        self._v: torch.Tensor | None = None
+        super().__init__()  # (assigns keys / values = None: the setters below accept that)
+
+    # keys / values: views of the rows in use (what DynamicCache's layer holds), writable in place
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a preallocated layer's keys are written in place (update / its views), not assigned")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a preallocated layer's values are written in place (update / its views), not assigned")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, dk = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._k = key_states.new_empty(b, h, self.capacity, dk)
+        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def _grow(self, need: int) -> None:
+        """Past the buffers: reallocate at twice the need and copy the rows in use (never within a sized run)."""
+        self.capacity = 2 * need
+        k, v = self._k, self._v
+        self._k = k.new_empty(*k.shape[:2], self.capacity, k.shape[-1])
+        self._v = v.new_empty(*v.shape[:2], self.capacity, v.shape[-1])
+        self._k[:, :, : self.length] = k[:, :, : self.length]
+        self._v[:, :, : self.length] = v[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the Q new rows [B, kv_heads, Q, head_dim] at the current length; return K, V up to the new length."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            self._grow(end)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0  # (kv_length, kv_offset), as DynamicLayer: the rows in use + the query
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows past its capacity if it must (a model must not cut its context to it)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' convention: minus the number of entries to drop."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of entries to drop")
+        self.length = max(self.length + tokens_to_remove, 0)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self._k is not None:
+            self._k = self._k.index_select(0, beam_idx.to(self._k.device))
+            self._v = self._v.index_select(0, beam_idx.to(self._v.device))
+
+
+class PreallocatedCache(Cache):
+    """One PreallocatedLayer per decoder layer of `config`, each `capacity` positions (the run's context: prompt, new
+    tokens and the largest tree). Full-attention decoders only (Llama, Vicuna, SmolLM2, Qwen2 without sliding
+    windows): a config with other layer types is refused in one line."""
+
+    def __init__(self, config, capacity: int):
+        text = config.get_text_config(decoder=True)
+        kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if kinds != {"full_attention"} or getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window",
+                                                                                             True):
+            raise SpecbenchError(f"model.cache=preallocated holds full-attention layers only; {text.model_type} has "
+                             f"{', '.join(sorted(kinds))}{' with a sliding window' if kinds == {'full_attention'} else ''}")
+        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(text.num_hidden_layers)])
