@@ -18,7 +18,7 @@ TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/to
 # the trainable drafters, from their own YAMLs (specbench/trainable.py); expanded when `make train` runs, after setup
 TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
-.PHONY: setup data rehearse test test-fast bench perf perf-drafters peer train trainmem trainspeed figures download
+.PHONY: setup data rehearse test test-fast bench perf limit perf-drafters peer train trainmem trainspeed figures download
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -79,6 +79,10 @@ $(PEER_VENV)/.stamp: peer/requirements.txt
 
 peer: setup $(PEER_VENV)/.stamp
 	$(BIN)/python -m specbench.peer model=$(MODEL) peer.python=$(PEER_VENV)/bin/python $(ARGS)
+
+# The baseline's ms per token vs the bare-matmul time of the same weights, per target cache (results/limit/).
+limit: setup
+	$(BIN)/python -m specbench.limit model=$(MODEL) $(PERF_ARGS)
 
 # Every drafter's draft ms/step, verify ms/step, tokens/s and host round trips per step (results/perf/).
 perf-drafters: setup

@@ -80,3 +80,24 @@ def test_a_target_whose_layers_it_cannot_hold_is_refused_in_one_line():
         TargetModel(MistralForCausalLM(cfg), None, torch.device("cpu"), "m", cache="preallocated")
     with pytest.raises(SpecbenchError, match="model.cache='static' is not one of dynamic, preallocated"):
         TargetModel(tiny_llama(), None, torch.device("cpu"), "t", cache="static")
+
+
+def test_make_limit_reports_the_baseline_against_the_bare_matmul_time(tiny_checkpoint, question_file, tmp_path):
+    """specbench/limit.py on the tiny target: a bare-matmul time over its 6 x 7 + 1 weight matrices, and each cache's
+    baseline ms per token with its overhead share (measured, so only their signs and shapes are checked)."""
+    from hydra import compose, initialize_config_dir
+
+    from specbench.config import register_schema
+    from specbench.limit import run_limit
+    from tests.test_conformance import CONF
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+        cfg = compose(config_name="limit", overrides=[f"model.path={tiny_checkpoint}", "model.name=tiny", "dataset=jsonl",
+                                                      f"dataset.path={question_file}", "decoding.max_new_tokens=4",
+                                                      "bench.repeats=1", "bench.warmup=0",
+                                                      f"out.root={tmp_path}"])
+    r = run_limit(cfg)
+    assert r["weight_matrices"] == 6 * 7 + 1 and r["bare_ms_per_token"] > 0
+    assert set(r["eager"]) == {"dynamic", "preallocated"}
+    assert all(row["baseline_ms_per_token"] > 0 and row["overhead_share"] < 1 for row in r["eager"].values())

@@ -1,0 +1,123 @@
+"""`make limit`: how far the engine's baseline is from the device's limit (issue 30), per device and dtype.
+
+  baseline   our engine with no drafter, greedy, `decoding.max_new_tokens` after each chat-templated prompt: ms per
+             decoded token ((wall - prefill) / (new tokens - 1)), the best of `bench.repeats` over the prompts, with
+             each target cache (model.cache: dynamic, preallocated)
+  bare       the same weight matrices (every 2-D weight of the decoder layers and the LM head; the embedding is a row
+             lookup) applied to one token's activations by torch.nn.functional.linear in a bare loop: ms per token,
+             best of repeats: what reading and multiplying the weights alone costs here
+  overhead   1 - bare / baseline: the share of a baseline step that is neither a weight read nor a matmul (attention
+             over the cache, norms, RoPE, residuals, the modules' Python, the mask and cache machinery)
+The compiled path (issue 30's model.compile) is not built yet: its rows are absent, not estimated.
+Writes results/limit/<model>__limit__<hash>/limit.json with the run header.
+    python -m specbench.limit model=smollm2-135m decoding.max_new_tokens=128 bench.repeats=3
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from specbench.cli import cli, measure_and_save
+from specbench.config import register_schema
+from specbench.drafter import NoDrafter
+from specbench.engine import Engine, sync
+from specbench.errors import SpecbenchError
+from specbench.run import Runner
+from specbench.target import CACHES, TargetModel
+from specbench.types import SamplingParams
+
+log = logging.getLogger("specbench.limit")
+
+
+def weight_matrices(target: TargetModel) -> list[torch.Tensor]:
+    """Every 2-D weight a decoding step multiplies by: the decoder layers' and the LM head's (not the embedding)."""
+    mats = [p for p in target.decoder.layers.parameters() if p.dim() == 2]
+    return mats + [target.lm_head.weight]
+
+
+@torch.inference_mode()
+def bare_ms(target: TargetModel, repeats: int, loops: int = 20) -> float:
+    """ms per token of F.linear over every weight matrix, one token's activations, in a bare loop (best of repeats)."""
+    mats = weight_matrices(target)
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], device=w.device, dtype=w.dtype) for w in mats}
+    for w in mats:  # warm-up
+        F.linear(xs[w.shape[1]], w)
+    best = float("inf")
+    for _ in range(repeats):
+        sync(target.devices)
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            for w in mats:
+                F.linear(xs[w.shape[1]], w)
+        sync(target.devices)
+        best = min(best, (time.perf_counter() - t0) / loops)
+    return 1e3 * best
+
+
+def baseline_ms(target: TargetModel, prompts: list[list[int]], max_new: int, repeats: int, warmup: int) -> float:
+    """Our baseline's ms per decoded token over the prompts (prefill excluded), the best of repeats."""
+    if max_new < 2:
+        raise SpecbenchError("make limit needs decoding.max_new_tokens >= 2 (decoded tokens after the first)")
+    eng = Engine(target, NoDrafter(), SamplingParams())
+    for _ in range(warmup):
+        eng.generate(prompts[0], max_new)
+    best = float("inf")
+    for _ in range(repeats):
+        s = n = 0.0
+        for ids in prompts:
+            g = eng.generate(ids, max_new)
+            s += g.wall_s - g.prefill_s
+            n += len(g.new_tokens) - 1
+        best = min(best, s / n)
+    return 1e3 * best
+
+
+def run_limit(cfg: DictConfig) -> dict:
+    runner = Runner(cfg)
+    base = runner.target
+    prompts = [runner.prompt_ids(q, 0, []) for q in runner.questions]
+    mats = weight_matrices(base)
+    report = {"model": runner.model_cfg.name, "dtype": str(base.dtype).removeprefix("torch."),
+              "device": str(base.device), "prompts": len(prompts), "max_new_tokens": runner.decoding.max_new_tokens,
+              "repeats": runner.bench.repeats, "weight_matrices": len(mats),
+              "weight_bytes": sum(w.numel() * w.element_size() for w in mats),
+              "bare_ms_per_token": bare_ms(base, runner.bench.repeats), "eager": {}}
+    for kind in CACHES:
+        target = TargetModel(base.model, base.tokenizer, base.device, base.name, cache=kind)
+        ms = baseline_ms(target, prompts, runner.decoding.max_new_tokens, runner.bench.repeats, runner.bench.warmup)
+        report["eager"][kind] = {"baseline_ms_per_token": ms,
+                                 "overhead_share": 1.0 - report["bare_ms_per_token"] / ms}
+        log.info("eager, %s cache: %.2f ms per token", kind, ms)
+    return report
+
+
+def print_report(r: dict) -> None:
+    print(f"\nmake limit: {r['model']} ({r['dtype']}, {r['device']}), {r['prompts']} prompts x {r['max_new_tokens']} new "
+          f"tokens, best of {r['repeats']}")
+    print(f"bare: {r['weight_matrices']} weight matrices, {r['weight_bytes'] / 2**20:.0f} MiB: "
+          f"{r['bare_ms_per_token']:.2f} ms per token")
+    print(f"{'path':24} {'ms/token':>9} {'overhead':>9}")
+    for kind, row in r["eager"].items():
+        print(f"{'eager, ' + kind + ' cache':24} {row['baseline_ms_per_token']:9.2f} {row['overhead_share']:8.0%}")
+    print("compiled: not built yet (issue 30)")
+
+
+register_schema()
+
+
+@hydra.main(config_path="../conf", config_name="limit", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    measure_and_save(cfg, run_limit, print_report, "limit", "specbench.limit")
+
+
+def main() -> None:
+    cli(_main)
+
+
+if __name__ == "__main__":
+    main()
