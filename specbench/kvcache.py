@@ -8,8 +8,9 @@ values per step).
   through the same views;
 - a buffer grows (doubling, one copy) only when a forward would run past it: sized to the run's context, it never does.
 
-Every row of the batch shares one length (the engine decodes one prompt per row at batch 1); ragged rows (issue 29) are
-per-row lengths over the same buffers. No transformers code is forked or patched: the model calls `update`,
+Rows of a batch share one length unless told otherwise: `set_row_lengths` makes them ragged (batched decoding, issue
+29), each row then writing at its own length into the same buffers, the views reaching the longest row (a row's
+entries past its own length are stale, hidden by the engine's per-row mask). No transformers code is forked or patched: the model calls `update`,
 `get_seq_length` and `get_mask_sizes` as it does on any Cache.
 """
 from __future__ import annotations
@@ -21,14 +22,16 @@ from specbench.errors import SpecbenchError
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """One attention layer's K / V buffers [B, kv_heads, capacity, head_dim] and the length in use."""
+    """One attention layer's K / V buffers [B, kv_heads, capacity, head_dim] and the length in use (per row, when the
+    rows are ragged)."""
 
     is_sliding = False
     is_croppable = True
 
     def __init__(self, capacity: int):
         self.capacity = max(int(capacity), 1)
-        self.length = 0
+        self.length = 0  # the longest row's
+        self.rows: list[int] | None = None  # per-row lengths when ragged (host ints: no device read), else None
         self._k: torch.Tensor | None = None  # [B, kv_heads, capacity, head_dim]
         self._v: torch.Tensor | None = None
         super().__init__()  # (assigns keys / values = None: the setters below accept that)
@@ -72,13 +75,28 @@ class PreallocatedLayer(CacheLayerMixin):
         """Write the Q new rows [B, kv_heads, Q, head_dim] at the current length; return K, V up to the new length."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
+        q = key_states.shape[-2]
+        end = self.length + q
         if end > self.capacity:
             self._grow(end)
-        self._k[:, :, self.length : end] = key_states
-        self._v[:, :, self.length : end] = value_states
+        if self.rows is None:
+            self._k[:, :, self.length : end] = key_states
+            self._v[:, :, self.length : end] = value_states
+        else:  # ragged: each row behind its own entries
+            for b, n in enumerate(self.rows):
+                self._k[b, :, n : n + q] = key_states[b]
+                self._v[b, :, n : n + q] = value_states[b]
+            self.rows = [n + q for n in self.rows]
+            end = max(self.rows)
         self.length = end
         return self.keys, self.values
+
+    def set_row_lengths(self, lengths: list[int]) -> None:
+        """Row b holds lengths[b] entries from now on (after a per-row compaction); equal lengths end raggedness."""
+        if self._k is not None and len(lengths) != self._k.shape[0]:
+            raise ValueError(f"{len(lengths)} row lengths for a batch of {self._k.shape[0]}")
+        self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
+        self.length = max(lengths, default=0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0  # (kv_length, kv_offset), as DynamicLayer: the rows in use + the query
@@ -93,10 +111,13 @@ class PreallocatedLayer(CacheLayerMixin):
         """transformers' convention: minus the number of entries to drop."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass minus the number of entries to drop")
-        self.length = max(self.length + tokens_to_remove, 0)
+        if self.rows is not None:
+            self.set_row_lengths([max(n + tokens_to_remove, 0) for n in self.rows])
+        else:
+            self.length = max(self.length + tokens_to_remove, 0)
 
     def reset(self) -> None:
-        self.length = 0
+        self.length, self.rows = 0, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self._k is not None:
@@ -117,3 +138,8 @@ class PreallocatedCache(Cache):
             raise SpecbenchError(f"model.cache=preallocated holds full-attention layers only; {text.model_type} has "
                              f"{', '.join(sorted(kinds))}{' with a sliding window' if kinds == {'full_attention'} else ''}")
         super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(text.num_hidden_layers)])
+
+    def set_row_lengths(self, lengths: list[int]) -> None:
+        """Ragged rows (batched decoding): row b holds lengths[b] entries in every layer."""
+        for layer in self.layers:
+            layer.set_row_lengths(lengths)

@@ -101,3 +101,24 @@ def test_make_limit_reports_the_baseline_against_the_bare_matmul_time(tiny_check
     assert r["weight_matrices"] == 6 * 7 + 1 and r["bare_ms_per_token"] > 0
     assert set(r["eager"]) == {"dynamic", "preallocated"}
     assert all(row["baseline_ms_per_token"] > 0 and row["overhead_share"] < 1 for row in r["eager"].values())
+
+
+def test_ragged_rows_write_behind_their_own_entries():
+    """Batched decoding's ragged rows (issue 29): after set_row_lengths, each row's new entries land behind its own
+    length, the views reach the longest row, a crop shortens every row, and equal lengths end raggedness."""
+    model = tiny_llama()
+    cache = PreallocatedCache(model.config, 16)
+    torch.manual_seed(0)
+    model(input_ids=torch.randint(0, 100, (2, 6)), past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    before = layer.keys.clone()  # [2, kv_heads, 6, dh]
+    cache.set_row_lengths([6, 4])  # row 1 kept 4 of its entries
+    new_k = torch.randn(2, before.shape[1], 3, before.shape[-1])
+    k, _ = layer.update(new_k, new_k.clone())
+    assert k.shape[2] == 9 and layer.rows == [9, 7] and cache.get_seq_length() == 9
+    assert torch.equal(k[0, :, :6], before[0]) and torch.equal(k[0, :, 6:9], new_k[0])
+    assert torch.equal(k[1, :, :4], before[1, :, :4]) and torch.equal(k[1, :, 4:7], new_k[1])
+    cache.crop(-2)
+    assert layer.rows == [7, 5] and layer.length == 7
+    cache.set_row_lengths([5, 5])
+    assert layer.rows is None and layer.length == 5
