@@ -49,6 +49,25 @@ def cli(hydra_entry) -> None:
     hydra_entry()
 
 
+def entry(fn: Callable[[DictConfig], Any], config_name: str = "config") -> Callable[[], None]:
+    """A command: Hydra composes conf/<config_name>.yaml with the command line and `fn` runs on it; an unknown group
+    name or a SpecbenchError is one line (exit 2)."""
+    import hydra
+
+    from specbench.config import register_schema
+
+    register_schema()
+
+    @hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        try:
+            fn(cfg)
+        except SpecbenchError as e:
+            fail(e)
+
+    return lambda: cli(_main)
+
+
 def save_report(cfg: DictConfig, kind: str, report: dict, module: str) -> Path:
     """results/<experiment>/<model>__<kind>__<config hash>/<module's last name>.json, with the run header."""
     from specbench.models import pick_device

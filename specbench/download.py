@@ -9,13 +9,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
 
 from specbench.checkpoints import resolve, weight_file, weights_root
-from specbench.config import ModelConfig, register_schema, to_dataclass
+from specbench.config import ModelConfig, to_dataclass
 from specbench.errors import SpecbenchError
-from specbench.cli import cli, fail
+from specbench.cli import entry
 
 log = logging.getLogger("specbench.download")
 
@@ -68,20 +66,7 @@ def copy_snapshot(snapshot: Path, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-register_schema()
-
-
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    try:
-        download(to_dataclass(ModelConfig, cfg.model))
-    except SpecbenchError as e:
-        fail(e)
-
-
-def main() -> None:
-    cli(_main)
-
+main = entry(lambda cfg: download(to_dataclass(ModelConfig, cfg.model)))
 
 if __name__ == "__main__":
     main()

@@ -11,7 +11,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from specbench.cli import cli, fail
+from specbench.cli import entry
 from specbench.config import ModelConfig, to_dataclass
 from specbench.errors import SpecbenchError
 from specbench.models import load_model
@@ -36,17 +36,7 @@ def export(cfg: DictConfig) -> Path:
     return out
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    try:
-        export(cfg)
-    except SpecbenchError as e:
-        fail(e)
-
-
-def main() -> None:
-    cli(_main)
-
+main = entry(export)
 
 if __name__ == "__main__":
     main()

@@ -17,13 +17,11 @@ from __future__ import annotations
 import logging
 import time
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from specbench.cli import cli, measure_and_save
-from specbench.config import register_schema
+from specbench.cli import entry, measure_and_save
 from specbench.drafter import NoDrafter
 from specbench.engine import Engine, sync
 from specbench.errors import SpecbenchError
@@ -107,17 +105,7 @@ def print_report(r: dict) -> None:
     print("compiled: not built yet (issue 30)")
 
 
-register_schema()
-
-
-@hydra.main(config_path="../conf", config_name="limit", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    measure_and_save(cfg, run_limit, print_report, "limit", "specbench.limit")
-
-
-def main() -> None:
-    cli(_main)
-
+main = entry(lambda cfg: measure_and_save(cfg, run_limit, print_report, "limit", "specbench.limit"), "limit")
 
 if __name__ == "__main__":
     main()

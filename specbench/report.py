@@ -259,6 +259,12 @@ def mean_cell(summaries: list[dict | None], metric: str) -> str:
     return MISSING if not vs or None in vs else METRICS[metric][2].format(sum(vs) / len(vs))
 
 
+def md_table(caption: str, head: list[str], rows: list[list[str]]) -> list[str]:
+    """A table as markdown lines: the caption in bold, the header, the rows."""
+    return [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
+        ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def render(table: Table, runs: dict, setting: Setting, failed: dict | None = None) -> tuple[str, str]:
     """failed: cell key -> failure record (specbench/failures.py) of jobs that failed and have no finished run."""
     failed = {k: f for k, f in (failed or {}).items() if k not in runs}
@@ -279,8 +285,7 @@ def render(table: Table, runs: dict, setting: Setting, failed: dict | None = Non
                + (f"The paper's tree: {table.paper_tree}. " if table.paper_tree else "")
                + (f"Trees of these runs: {ours}. " if ours else "") + f"{provenance(used) if used else 'no runs yet'}."
                + failed_note(table, failed))
-    md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    md += ["| " + " | ".join(r) + " |" for r in rows]
+    md = md_table(caption, head, rows)
     esc = lambda x: x.replace("_", r"\_").replace("τ", r"$\tau$").replace("α", r"$\alpha$").replace(MISSING, "--")
     tex = [r"\begin{table}[t]", r"\centering", r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}", r"\toprule",
            " & ".join(esc(h) for h in head) + r" \\", r"\midrule"]
@@ -487,8 +492,7 @@ def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Pa
                    f"before the run (one calibration per drafter, on questions no table scores), for the auto tree and "
                    f"for the paper tree; measured: against the baseline of the same job; auto tree {mean_err}. "
                    f"{provenance(used) if used else 'no runs yet'}.")
-        md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        md += ["| " + " | ".join(r) + " |" for r in rows]
+        md = md_table(caption, head, rows)
         path = exp_dir / f"{table.name}.{stem}.md"
         path.write_text("\n".join(md) + "\n")
         written.append(path)
@@ -542,8 +546,7 @@ def vocab_report(exp_dir: Path, table: VocabTable) -> list[Path]:
                    f"LM-head router, which prunes the same head by vocabulary groups, beside them; {setting.describe()}. "
                    f"Td / Tv: draft / verify ms per SD iteration; 'vs whole': against the same drafter and tree with "
                    f"the whole vocabulary. {provenance(used) if used else 'no runs yet'}.")
-        md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        md += ["| " + " | ".join(r) + " |" for r in rows]
+        md = md_table(caption, head, rows)
         path = exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md"
         path.write_text("\n".join(md) + "\n")
         written.append(path)
@@ -595,17 +598,16 @@ def board_report(exp_dir: Path, table: BoardTable) -> list[Path]:
                    f"and overall (mean per-question tokens/s over the baseline's, as its evaluation/speed.py), mean "
                    f"accepted tokens per step over all tasks (1.00 for the baseline), T=0; each drafter at its paper's "
                    f"tree; {setting.describe()}. {provenance(used) if used else 'no runs yet'}.")
-        md = [f"**{caption}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        md += ["| " + " | ".join(r) + " |" for r in rows]
+        md = md_table(caption, head, rows)
         pub = table.published
         if pub:
             ours = dict(table.ours)
-            md += ["", f"**Published, another target and device: {pub['model']} on {pub['device']}, {pub['settings']} "
-                       f"({pub['source']}). Not comparable cell by cell with the table above (another model, another "
-                       f"device, full question sets); shown for the ordering of the methods. Our drafter of the same "
-                       f"method in brackets.**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            md += ["| " + " | ".join([f"{m} ({ours[m]})" if m in ours else m, *map(str, vals)]) + " |"
-                   for m, vals in pub["rows"].items()]
+            md += [""] + md_table(
+                f"Published, another target and device: {pub['model']} on {pub['device']}, {pub['settings']} "
+                f"({pub['source']}). Not comparable cell by cell with the table above (another model, another device, "
+                f"full question sets); shown for the ordering of the methods. Our drafter of the same method in "
+                f"brackets.", head, [[f"{m} ({ours[m]})" if m in ours else m, *map(str, vals)]
+                                     for m, vals in pub["rows"].items()])
         path = exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md"
         path.write_text("\n".join(md) + "\n")
         written.append(path)

@@ -14,15 +14,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specbench.checkpoints import target_fingerprint
-from specbench.cli import cli, fail
-from specbench.config import ModelConfig, TrainConfig, register_schema, to_dataclass
+from specbench.cli import entry
+from specbench.config import ModelConfig, TrainConfig, to_dataclass
 from specbench.conversations import Encoded
 from specbench.errors import SpecbenchError
 from specbench.models import load_model
@@ -121,20 +120,7 @@ def write_counts(cfg: DictConfig) -> Path:
     return out
 
 
-register_schema()
-
-
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def _main(cfg: DictConfig) -> None:
-    try:
-        write_counts(cfg)
-    except SpecbenchError as e:
-        fail(e)
-
-
-def main() -> None:
-    cli(_main)
-
+main = entry(write_counts)
 
 if __name__ == "__main__":
     main()
