@@ -14,6 +14,7 @@ target's frozen weights (embeddings, LM head) at construction is allowed and is 
 """
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -47,6 +48,11 @@ class Drafter(ABC):
     @abstractmethod
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         """Observe what was kept: state.tokens now ends with the accepted tokens and the bonus/recovered token."""
+
+    def fork(self) -> "Drafter":
+        """A drafter for another row of a batch (Engine.generate_batch): the same weights and options, its own
+        per-generation state. A shallow copy: every drafter sets that state afresh in prefill()."""
+        return copy.copy(self)
 
     @classmethod
     def own_tree(cls, spec: dict) -> "OwnTree | None":

@@ -18,8 +18,9 @@ import torch
 
 from specbench.drafter import HIDDEN, KV, LAYERS, Drafter
 from specbench.sampling import logits_to_probs, sample
-from specbench.target import TargetModel, cache_kv, compact_cache
-from specbench.tree import ancestor_matrix, is_chain, node_depths
+from specbench.kvcache import PreallocatedCache
+from specbench.target import TargetModel, cache_kv, compact_cache, compact_rows, row_kv
+from specbench.tree import ancestor_matrix, batch_tree_mask, is_chain, node_depths, padded_ancestors, tree_position_ids
 from specbench.types import DraftTree, SamplingParams, TargetState, VerifyResult
 from specbench.verify import greedy_accept, rejection_accept
 
@@ -86,6 +87,37 @@ def _count_depths(gen: Generation, parents: list[int], path: list[int]) -> None:
         gen.depth_accepts[d] += 1
 
 
+def _emit(gen: Generation, tokens: list[int], eos: frozenset[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """The accepted tokens and the bonus/recovered one, cut at EOS or the token budget -> (emitted, done)."""
+    emitted: list[int] = []
+    for tok in tokens:
+        emitted.append(tok)
+        if tok in eos:
+            gen.stopped_by = "eos"
+            return emitted, True
+        if len(gen.new_tokens) + len(emitted) >= max_new_tokens:
+            return emitted, True
+    return emitted, False
+
+
+@dataclass
+class BatchGeneration:
+    """One batch of prompts decoded together (Engine.generate_batch): per-row Generations (each row's wall_s is the
+    time from the batch's start to that row's last token, its prefill_s the batch's prefill, its verify_s the batched
+    forwards it took part in) and the batch's own clock."""
+
+    rows: list[Generation]
+    wall_s: float  # prefill to the last row's end
+    prefill_s: float
+    steps: int = 0  # batched target forwards after the prefill
+    active: list[int] = field(default_factory=list)  # rows verified per step (finished rows leave the batch)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Throughput: new tokens summed over the rows, per second of the batch's wall time."""
+        return sum(len(g.new_tokens) for g in self.rows) / self.wall_s if self.wall_s > 0 else float("nan")
+
+
 class Engine:
     def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False):
         """trace=True keeps every step's tree and accepted path (one more host read per step: calibration only)."""
@@ -107,6 +139,20 @@ class Engine:
         if self.sampling.greedy:
             return int(logits.argmax(-1).item())
         return int(sample(logits_to_probs(logits, self.sampling), generator).item())
+
+    def _count_step(self, gen: Generation, tree: DraftTree, emitted: list[int], parents: list[int], path: list[int],
+                    recovered: bool) -> None:
+        """One verification step's counters (the tokens themselves are appended by the caller)."""
+        gen.new_tokens.extend(emitted)
+        gen.steps += 1
+        gen.tokens_per_step.append(len(emitted))
+        gen.tree_sizes.append(len(parents))
+        gen.recovered += int(recovered)
+        gen.chain &= is_chain(parents)
+        if self.trace:
+            priority = tree.priority[0].tolist() if tree.priority is not None else None
+            gen.trace.append(StepTrace(parents, priority, path))
+        _count_depths(gen, parents, path)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
@@ -166,30 +212,12 @@ class Engine:
             compact_cache(cache, prefix, keep, contiguous=path == list(range(length)))
             sync(devs)
             gen.verify_s += time.perf_counter() - tv
-            # emit the accepted tokens and the bonus/recovered one, stopping at EOS or the token budget
-            emitted: list[int] = []
-            for tok in [node_tokens[i] for i in path] + [next_token]:
-                emitted.append(tok)
-                if tok in eos:
-                    gen.stopped_by, done = "eos", True
-                    break
-                if len(out) + len(emitted) >= max_new_tokens:
-                    done = True
-                    break
+            emitted, done = _emit(gen, [node_tokens[i] for i in path] + [next_token], eos, max_new_tokens)
             if capture_at is not None and len(out) <= capture_at < len(out) + len(emitted):
                 # emitted token t was chosen at the row of its parent: the root (row 0), then accepted node path[t-1]
                 choosers = [0] + [i + 1 for i in path]
                 gen.captured = logits[choosers[capture_at - len(out)]].clone()
-            out.extend(emitted)
-            gen.steps += 1
-            gen.tokens_per_step.append(len(emitted))
-            gen.tree_sizes.append(n)
-            gen.recovered += int(recovered)
-            gen.chain &= is_chain(parents)
-            if self.trace:
-                priority = tree.priority[0].tolist() if tree.priority is not None else None
-                gen.trace.append(StepTrace(parents, priority, path))
-            _count_depths(gen, parents, path)
+            self._count_step(gen, tree, emitted, parents, path, bool(recovered))
             if done:
                 break
             rows = torch.cat([keep.new_zeros(1), keep + 1])  # root + accepted nodes are now in the target cache
@@ -210,3 +238,163 @@ class Engine:
         sync(devs)
         gen.wall_s = time.perf_counter() - t0
         return gen
+
+    # ---- batched decoding (issue 29) ----------------------------------------------------------------------------
+    def _row_state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, row: int, length: int, generator,
+                   layers: torch.Tensor | None) -> TargetState:
+        """What the drafter of one batch row reads: its tokens [1, T], its rows of the step's hidden states and its
+        `length` entries of the ragged target cache."""
+        needs = self.drafter.needs
+        return TargetState(tokens=tokens, hidden=hidden if HIDDEN in needs else None,
+                           kv=row_kv(cache, row, length, self.target.device) if KV in needs else None,
+                           layers=layers if LAYERS in needs else None, sampling=self.sampling, generator=generator)
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                       generators: list[torch.Generator | None] | None = None,
+                       context: int | None = None) -> BatchGeneration:
+        """B prompts decoded together: one prefill, then per step each row's drafter (its own instance,
+        Drafter.fork) proposes its tree, the trees are padded to one node count and verified in one target forward
+        (per-row tree masks and positions over a ragged preallocated cache), acceptance runs per row on the device
+        and one host read serves the whole batch. A finished row leaves the batch (its cache row is dropped): the
+        batch shrinks rather than refills, so every row of a batch of B is decoded beside the same prompts at every
+        B-sweep point (continuous batching would mix in prompts from later batches). At T=0 each row's output is
+        its prompt's greedy output (at this batch's numerics: a batched matmul may round differently from a lone
+        one); at T>0 each row samples with its own generator. `context` as in generate()."""
+        target, dev, devs, eos = self.target, self.target.device, self.target.devices, self.target.eos_token_ids
+        b = len(prompts)
+        budgets = list(max_new_tokens) if isinstance(max_new_tokens, list) else [max_new_tokens] * b
+        generators = list(generators) if generators is not None else [None] * b
+        if not (len(budgets) == len(generators) == b) or b == 0:
+            raise ValueError(f"{b} prompts, {len(budgets)} budgets and {len(generators)} generators")
+        drafters = [self.drafter] + [self.drafter.fork() for _ in range(b - 1)]
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        sync(devs)
+        t0 = time.perf_counter()
+        # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says
+        cache = PreallocatedCache(target.model.config, context or width + max(budgets) + 256)
+        layers = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()
+        # right-padded prompts under the causal mask: a real token never sees the padding after it
+        ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [B, L]
+        fwd = target.forward(ids, cache, logits_rows=slice(0, 0), layers=layers)
+        last = torch.tensor([n - 1 for n in lens], device=dev)
+        logits = target.lm_head(fwd.hidden[torch.arange(b, device=dev), last]).float()  # [B, V]
+        if self.sampling.greedy:
+            first = logits.argmax(-1).tolist()
+        else:
+            first = [int(sample(logits_to_probs(logits[i], self.sampling), generators[i])) for i in range(b)]
+        cache.set_row_lengths(lens)
+        gens = [Generation(new_tokens=[first[i]], prompt_tokens=lens[i], wall_s=0.0, prefill_s=0.0) for i in range(b)]
+        tokens = [torch.cat([ids[i : i + 1, : lens[i]], torch.tensor([[first[i]]], device=dev)], 1) for i in range(b)]
+        states = {}
+        for i in range(b):
+            states[i] = self._row_state(tokens[i], fwd.hidden[i : i + 1, : lens[i]], cache, i, lens[i], generators[i],
+                                        None if fwd.layers is None else fwd.layers[i : i + 1, : lens[i]])
+            drafters[i].prefill(states[i])
+        sync(devs)
+        batch = BatchGeneration(rows=gens, wall_s=0.0, prefill_s=time.perf_counter() - t0)
+        for g in gens:
+            g.prefill_s = batch.prefill_s
+        for i in range(b):
+            if first[i] in eos:
+                gens[i].stopped_by = "eos"
+        active = [i for i in range(b) if first[i] not in eos and budgets[i] > 1]  # cache row r holds prompt active[r]
+        for i in range(b):
+            if i not in active:
+                gens[i].wall_s = batch.prefill_s
+        prefix = [lens[i] for i in active]  # entries each active row holds (its root is not among them)
+        lengths = torch.tensor(prefix, device=dev)  # [A] the same on the device: the masks read it, never the host
+        if active and len(active) < b:
+            cache.keep_rows(torch.tensor(active, device=dev), prefix)
+        while active:
+            trees, proposed = [], []
+            for i in active:
+                td = time.perf_counter()
+                tree = drafters[i].propose(states[i])
+                sync(devs)
+                gens[i].draft_s += time.perf_counter() - td
+                proposed.append(tree.num_nodes)
+                trees.append(tree)
+            tv = time.perf_counter()
+            for r, i in enumerate(active):
+                if context is not None and prefix[r] + 1 + trees[r].num_nodes > context:
+                    trees[r] = DraftTree.empty(device=dev)  # as generate(): decoded one token, every node rejected
+            sizes = [t.num_nodes for t in trees]
+            q = 1 + max(sizes)
+            ancs = [ancestor_matrix(t.parents[0]) for t in trees]  # [n+1, n+1] each
+            roots = torch.stack([t[0, -1] for t in (tokens[i] for i in active)])  # [A]
+            pad = roots.new_zeros(q - 1)
+            ids = torch.stack([torch.cat([roots[r : r + 1], t.tokens[0], pad[: q - 1 - t.num_nodes]])
+                               for r, t in enumerate(trees)])  # [A, Q]
+            pos = torch.cat([torch.cat([tree_position_ids(a, p)[0], a.new_full((q - a.shape[0],), p, dtype=torch.long)])[None]
+                             for a, p in zip(ancs, prefix)])  # [A, Q]
+            width = max(prefix) + q
+            mask = batch_tree_mask(torch.stack([padded_ancestors(a, q) for a in ancs]), lengths, width,
+                                   target.dtype)  # [A, 1, Q, W]
+            fwd = target.forward(ids, cache, position_ids=pos, attention_mask=mask, layers=layers)
+            accs, host = [], []
+            for r, tree in enumerate(trees):
+                n = tree.num_nodes
+                node_tok, node_par = tree.tokens[0], tree.parents[0]
+                row_logits = fwd.logits[r, : n + 1]  # [n+1, V]
+                if self.sampling.greedy:
+                    acc = greedy_accept(node_tok, node_par, ancs[r], row_logits.argmax(-1))
+                else:
+                    qp = tree.draft_probs[0] if tree.draft_probs is not None else None
+                    acc = rejection_accept(node_tok, node_par, ancs[r], logits_to_probs(row_logits, self.sampling), qp,
+                                           generators[active[r]])
+                accs.append(acc)
+                host += [node_tok, node_par, acc.path, torch.stack([acc.length, acc.next_token, acc.recovered.long()])]
+            flat = torch.cat(host).tolist()  # the step's one host transfer, for the whole batch
+            outcome, at = [], 0
+            for tree in trees:
+                n = tree.num_nodes
+                length, next_token, recovered = flat[at + 3 * n : at + 3 * n + 3]
+                outcome.append((flat[at : at + n], flat[at + n : at + 2 * n], flat[at + 2 * n : at + 2 * n + length],
+                                next_token, bool(recovered)))
+                at += 3 * n + 3
+            keeps = [acc.path[: len(o[2])] for acc, o in zip(accs, outcome)]
+            lengths = lengths + 1 + torch.stack([acc.length for acc in accs])
+            compact_rows(cache, [p + 1 for p in prefix], keeps, [o[2] == list(range(len(o[2]))) for o in outcome])
+            sync(devs)
+            verify_s = time.perf_counter() - tv
+            batch.steps += 1
+            batch.active.append(len(active))
+            still, kept_rows = [], []
+            for r, i in enumerate(active):
+                gen, (node_tokens, parents, path, next_token, recovered) = gens[i], outcome[r]
+                gen.verify_s += verify_s
+                emitted, done = _emit(gen, [node_tokens[j] for j in path] + [next_token], eos, budgets[i])
+                self._count_step(gen, trees[r], emitted, parents, path, recovered)
+                prefix[r] += 1 + len(path)
+                if done:
+                    sync(devs)
+                    gen.wall_s = time.perf_counter() - t0
+                    continue
+                new = torch.cat([trees[r].tokens[0][keeps[r]], accs[r].next_token[None]])  # [A+1] == emitted
+                tokens[i] = torch.cat([tokens[i], new[None]], dim=1)
+                still.append(i)
+                kept_rows.append(r)
+            if len(still) < len(active):  # finished rows leave the batch
+                prefix = [prefix[r] for r in kept_rows]
+                if still:
+                    index = torch.tensor(kept_rows, device=dev)
+                    cache.keep_rows(index, prefix)
+                    lengths = lengths.index_select(0, index)
+            for r, i in enumerate(still):
+                src = kept_rows[r]
+                keep = keeps[src]
+                rows = torch.cat([keep.new_zeros(1), keep + 1])
+                states[i] = self._row_state(tokens[i], fwd.hidden[src : src + 1, rows], cache, r, prefix[r],
+                                            generators[i], None if fwd.layers is None else fwd.layers[src : src + 1, rows])
+                node_tokens, _, path, next_token, recovered = outcome[src]
+                drafters[i].on_verified(VerifyResult(
+                    accepted_nodes=path, accepted_tokens=[node_tokens[j] for j in path], next_token=next_token,
+                    recovered=recovered, num_nodes=proposed[src], emitted=gens[i].new_tokens[-(len(path) + 1):],
+                    hidden=states[i].hidden), states[i])
+            active = still
+        sync(devs)
+        batch.wall_s = time.perf_counter() - t0
+        return batch
+

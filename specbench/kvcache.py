@@ -58,16 +58,18 @@ class PreallocatedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, dk = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._k = key_states.new_empty(b, h, self.capacity, dk)
-        self._v = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        # zeros, not new_empty: ragged rows attend (masked) over columns another row wrote and this one never did, and
+        # uninitialised memory may hold a NaN that a mask's large negative cannot hide (NaN + x = NaN)
+        self._k = key_states.new_zeros(b, h, self.capacity, dk)
+        self._v = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
         self.is_initialized = True
 
     def _grow(self, need: int) -> None:
         """Past the buffers: reallocate at twice the need and copy the rows in use (never within a sized run)."""
         self.capacity = 2 * need
         k, v = self._k, self._v
-        self._k = k.new_empty(*k.shape[:2], self.capacity, k.shape[-1])
-        self._v = v.new_empty(*v.shape[:2], self.capacity, v.shape[-1])
+        self._k = k.new_zeros(*k.shape[:2], self.capacity, k.shape[-1])
+        self._v = v.new_zeros(*v.shape[:2], self.capacity, v.shape[-1])
         self._k[:, :, : self.length] = k[:, :, : self.length]
         self._v[:, :, : self.length] = v[:, :, : self.length]
 
@@ -143,3 +145,16 @@ class PreallocatedCache(Cache):
         """Ragged rows (batched decoding): row b holds lengths[b] entries in every layer."""
         for layer in self.layers:
             layer.set_row_lengths(lengths)
+
+    def row_lengths(self) -> list[int]:
+        """Entries per row (host ints)."""
+        layer = self.layers[0]
+        b = 0 if layer._k is None else layer._k.shape[0]
+        return list(layer.rows) if layer.rows is not None else [layer.length] * b
+
+    def keep_rows(self, index: torch.Tensor, lengths: list[int]) -> None:
+        """Only the batch rows `index` [R] stay (a finished row leaves the batch), holding `lengths` entries each."""
+        for layer in self.layers:
+            layer.reorder_cache(index)
+            layer.set_row_lengths(lengths)
+

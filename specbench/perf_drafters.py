@@ -10,6 +10,7 @@ results/perf/<model>__drafters__<hash>/perf_drafters.json with the run header.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import statistics
 
@@ -35,6 +36,12 @@ class CountedDrafter:
     def __init__(self, inner):
         self.inner, self.needs, self.rt = inner, inner.needs, HostRoundTrips()
         self.hidden_layers = inner.hidden_layers
+
+    def fork(self):
+        """Another batch row's drafter, counted by the same counter."""
+        twin = copy.copy(self)
+        twin.inner = self.inner.fork()
+        return twin
 
     def prefill(self, state):
         return self.inner.prefill(state)

@@ -125,6 +125,26 @@ def compact_cache(cache: Cache, prefix_len: int, keep: torch.Tensor, contiguous:
     cache.crop(first + a - cache.get_seq_length())  # transformers' crop takes minus the number of entries to drop
 
 
+def compact_rows(cache: PreallocatedCache, firsts: list[int], keeps: list[torch.Tensor], contiguous: list[bool]) -> None:
+    """compact_cache for ragged rows (batched decoding): row r wrote its root at firsts[r] - 1 and its tree behind it;
+    it keeps its prefix, the root and the accepted nodes keeps[r] [A_r] (path order), copied into place behind the
+    root in every layer; then each row's length is set to firsts[r] + A_r (the tree entries past it are stale)."""
+    for r, (first, keep, cont) in enumerate(zip(firsts, keeps, contiguous)):
+        a = keep.shape[0]
+        if cont or a == 0:
+            continue
+        for layer in cache.layers:
+            idx = (keep + first).to(layer.keys.device, non_blocking=True)
+            layer.keys[r, :, first : first + a] = layer.keys[r].index_select(-2, idx)
+            layer.values[r, :, first : first + a] = layer.values[r].index_select(-2, idx)
+    cache.set_row_lengths([first + keep.shape[0] for first, keep in zip(firsts, keeps)])
+
+
+def row_kv(cache: Cache, row: int, length: int, device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """cache_kv of one batch row's `length` entries, [1, kv_heads, length, head_dim] per layer (batched decoding)."""
+    return [(k[row : row + 1, :, :length], v[row : row + 1, :, :length]) for k, v in cache_kv(cache, device)]
+
+
 def kv_per_token(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One layer's (K, V) [..., kv_heads, T, head_dim] as one row per token, [..., T, 2 * kv_heads * head_dim], per KV
     head [K_h | V_h], heads side by side: the layout MoA reads (its training features, stored or online, and its

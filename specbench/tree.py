@@ -106,3 +106,24 @@ def in_block(starts: torch.Tensor, include_self: bool) -> torch.Tensor:
 def tree_position_ids(anc: torch.Tensor, prefix_len: int) -> torch.Tensor:
     """Position of the root = prefix_len; of a node = prefix_len + depth (its number of ancestors). [1, N+1]"""
     return (prefix_len - 1 + anc.sum(-1))[None]
+
+
+def padded_ancestors(anc: torch.Tensor, size: int) -> torch.Tensor:
+    """A row's ancestor matrix [n+1, n+1] padded to [size, size] for a batched tree forward: a padding node sees no
+    tree node but itself (its outputs are never read)."""
+    out = torch.eye(size, dtype=torch.bool, device=anc.device)
+    out[: anc.shape[0], : anc.shape[0]] = anc
+    return out
+
+
+def batch_tree_mask(anc: torch.Tensor, prefixes: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Ragged rows verified in one forward (batched decoding): row a holds prefixes[a] cached entries and writes its
+    Q tree rows right behind them (the preallocated cache's ragged rows), so its query q sees columns [0, prefixes[a])
+    and the tree columns prefixes[a] + c where anc[a, q, c]; nothing else (another row's longer prefix is stale).
+    anc [A, Q, Q] bool, prefixes [A] -> additive [A, 1, Q, width]."""
+    a, q, _ = anc.shape
+    rel = torch.arange(width, device=anc.device)[None, :] - prefixes[:, None]  # [A, W] column - row's prefix
+    in_tree = (rel >= 0) & (rel < q)
+    tree = anc.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(a, q, width)) & in_tree[:, None, :]  # [A, Q, W]
+    return additive(((rel < 0)[:, None, :] | tree)[:, None], dtype)
+

@@ -1,0 +1,139 @@
+"""Batched decoding (Engine.generate_batch, issue 29): every drafter config at B = 3 on tiny random Llamas, prompts of
+different lengths and rows finishing at different steps; each row equal to its prompt's greedy output and drafted as
+at batch 1 (per-row drafter state), EOS inside an accepted path, one engine read per step, per-row cache compaction,
+the ragged tree mask, and the target law at T>0 with B > 1."""
+from collections import Counter
+
+import pytest
+import torch
+
+from specbench.engine import Engine
+from specbench.kvcache import PreallocatedCache
+from specbench.perf_drafters import CountedDrafter
+from specbench.roundtrips import HostRoundTrips
+from specbench.target import compact_rows
+from specbench.tree import additive, ancestor_matrix, batch_tree_mask, padded_ancestors, visible
+from specbench.types import SamplingParams
+from tests.helpers import RandomTreeDrafter, hf_greedy, tiny_llama
+from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter, target_for
+from tests.test_distribution import DRAFTERS, PROMPT, chi2_pvalue, exact_law, target, tv
+
+BUDGETS = [60, 23, 41]  # rows leave the batch at different steps
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name", DRAFTER_CONFIGS)
+def test_every_drafter_batched_is_lossless_per_row(name):
+    t = target_for()
+    batch = Engine(t, make_drafter(name, t), SamplingParams()).generate_batch(PROMPTS, BUDGETS)
+    single = Engine(t, make_drafter(name, t), SamplingParams())
+    for prompt, budget, row in zip(PROMPTS, BUDGETS, batch.rows):
+        assert row.new_tokens == hf_greedy(t.model, prompt, budget)
+        alone = single.generate(prompt, budget)
+        # each row's drafter kept its own state: the same trees accepted as at batch 1
+        assert row.tokens_per_step == alone.tokens_per_step and row.tree_sizes == alone.tree_sizes
+    assert batch.active[0] == 3 and batch.active[-1] == 1  # rows left the batch as they finished
+    assert batch.steps == max(r.steps for r in batch.rows)
+
+
+def test_batch_of_one_is_generate():
+    t = target_for()
+    for name in ("none", "eagle2", "sd"):
+        one = Engine(t, make_drafter(name, t), SamplingParams()).generate_batch(PROMPTS[:1], 30).rows[0]
+        ref = Engine(t, make_drafter(name, t), SamplingParams()).generate(PROMPTS[0], 30)
+        assert (one.new_tokens, one.tokens_per_step, one.tree_sizes) == (ref.new_tokens, ref.tokens_per_step,
+                                                                          ref.tree_sizes)
+
+
+def test_eos_inside_an_accepted_path_ends_only_its_row():
+    free = hf_greedy(target_for().model, PROMPTS[0], 40)
+    k = next(i for i in range(8, 40) if free[i] not in free[:i])
+    t = target_for(eos=free[k])
+    refs = [hf_greedy(t.model, p, 40) for p in PROMPTS]
+    batch = Engine(t, RandomTreeDrafter(128, free, seed=1), SamplingParams()).generate_batch(PROMPTS, 40)
+    assert [r.new_tokens for r in batch.rows] == refs
+    assert batch.rows[0].new_tokens == free[: k + 1] and batch.rows[0].stopped_by == "eos"
+
+
+def test_one_engine_read_per_step():
+    """The engine reads the whole batch's trees and outcomes with one transfer per step (rows leaving the batch cost
+    one copy of the remaining rows' index to the device); the drafters' own reads are each row's, bounded per row in
+    tests/test_roundtrips.py."""
+    t = target_for()
+    for name in ("none", "eagle2", "sd_tree", "moa"):
+        engine = Engine(t, make_drafter(name, t), SamplingParams())
+        engine.generate_batch(PROMPTS, 20)
+        with HostRoundTrips() as prefill_only:
+            engine.generate_batch(PROMPTS, 1)
+        inner, engine.drafter = engine.drafter, CountedDrafter(engine.drafter)
+        with HostRoundTrips() as whole:
+            g = engine.generate_batch(PROMPTS, 20)
+        engine_reads = whole.total - prefill_only.total - engine.drafter.rt.total
+        left = sum(1 for a, b in zip(g.active, g.active[1:]) if b < a)  # steps after which rows left
+        # + 1: the rows' cache lengths, copied to the device once (a prefill-only batch has no rows left to decode)
+        assert engine_reads == g.steps + left + 1, (name, g.steps, left, whole.counts)
+        engine.drafter = inner
+
+
+def test_ragged_mask_rows_see_their_own_prefix_and_tree():
+    ancs = [ancestor_matrix(torch.tensor([-1, 0, -1])), ancestor_matrix(torch.tensor([-1]))]
+    mask = batch_tree_mask(torch.stack([padded_ancestors(a, 4) for a in ancs]), torch.tensor([5, 2]), 9, torch.float32)
+    assert mask.shape == (2, 1, 4, 9)
+    allowed = mask == 0
+    assert torch.equal(allowed[0, 0], visible(ancs[0], 5)[0, 0])  # the longest row: as a lone tree forward
+    # the other: its 2 entries, its root and node at columns 2, 3, never the stale columns; a padding row: the
+    # prefix and itself (its outputs are never read)
+    assert allowed[1, 0, 0].tolist() == [True, True, True, False, False, False, False, False, False]
+    assert allowed[1, 0, 1].tolist() == [True, True, True, True, False, False, False, False, False]
+    assert allowed[1, 0, 3].tolist() == [True, True, False, False, False, True, False, False, False]
+    assert torch.equal(additive(allowed, torch.float32), mask)
+
+
+def test_compact_rows_keeps_each_rows_accepted_entries():
+    cache = PreallocatedCache(tiny_llama(layers=2).config, 32)
+    layer = cache.layers[0]
+    k = torch.arange(2 * 2 * 10 * 8, dtype=torch.float32).reshape(2, 2, 10, 8)
+    for lay in cache.layers:
+        lay.update(k[:, :, :4], k[:, :, :4])
+    cache.set_row_lengths([4, 2])  # ragged: row 1 holds 2 entries
+    for lay in cache.layers:  # each row writes a root and 3 nodes behind its own entries
+        lay.update(k[:, :, 4:8], k[:, :, 4:8])
+    assert layer.rows == [8, 6]
+    # row 0 (root at 4) keeps nodes 1, 2 (entries 6, 7 -> 5, 6); row 1 (root at 2) keeps node 0 (entry 3: in place)
+    compact_rows(cache, [5, 3], [torch.tensor([1, 2]), torch.tensor([0])], [False, True])
+    assert cache.row_lengths() == [7, 4]
+    assert torch.equal(layer.keys[0, :, 5:7], k[0, :, 6:8]) and torch.equal(layer.keys[1, :, 2:4], k[1, :, 4:6])
+    assert torch.equal(layer.keys[0, :, :5], k[0, :, :5])  # the prefix and root untouched
+    cache.keep_rows(torch.tensor([1]), [4])  # row 0 left the batch
+    assert cache.row_lengths() == [4] and torch.equal(layer.keys[0, :, 2:4], k[1, :, 4:6])
+
+
+BATCHED = ["eagle2-dynamic-tree", "sd-sampling", "tree-iid-siblings"]
+
+
+@pytest.mark.parametrize("name", BATCHED)
+def test_batched_samples_follow_the_target_law(name):
+    """T>0, B = 3: every row of every batch is a sample of the target law (the rows' generators independent)."""
+    params = SamplingParams(temperature=1.0)
+    t = target()
+    law = exact_law(t, params)
+    eng = Engine(t, DRAFTERS[name](t), params)
+
+    def draw(batches: int, seed: int) -> Counter:
+        out: Counter = Counter()
+        for i in range(batches):
+            gens = [torch.Generator().manual_seed(seed * 1_000_003 + 3 * i + r) for r in range(3)]
+            for row in eng.generate_batch([PROMPT, PROMPT[1:], PROMPT], 3, gens).rows[::2]:  # rows of PROMPT
+                out[(row.new_tokens[1], row.new_tokens[2])] += 1
+        return out
+
+    small, big = draw(60, 1), draw(400, 2)
+    assert chi2_pvalue(big, law, 800) > 1e-3
+    assert tv(big, law, 800) < tv(small, law, 120)
