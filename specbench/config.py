@@ -60,6 +60,7 @@ class DecodingConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    batch_size: int = 1  # prompts decoded together (Engine.generate_batch); 1 = one at a time, as every paper measures
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)

@@ -1,7 +1,9 @@
 """The counters every method is measured by, defined once.
 
-- tokens/s = new tokens / wall seconds of the turn (prefill included; the same counter for every method);
-- speedup = method tokens/s / baseline tokens/s, the baseline (drafter=none) run in the same job on the same device;
+- tokens/s = new tokens / wall seconds of the turn (prefill included; the same counter for every method); at
+  decoding.batch_size > 1, the batch's throughput: its rows' new tokens / its wall seconds;
+- speedup = method tokens/s / baseline tokens/s, the baseline (drafter=none) run in the same job on the same device
+  (at the same batch size);
 - tau = new tokens per target verification step, the bonus/recovered token included (the prefill's first token is
   not a step); micro = over all steps of the run, macro = mean of per-turn tau;
 - alpha[d-1] = accepted / tried at draft depth d (chain: EAGLE's (d-1)-alpha, acceptance at position d given 0..d-1
@@ -97,12 +99,26 @@ def leviathan_improvement(alpha: float, gamma: float, c: float) -> float:
 
 
 def per_repeat_speed(records: list[dict]) -> dict[int, float]:
+    """New tokens per second of decoding, per repeat. Rows decoded together (decoding.batch_size > 1, their record's
+    `batch`) share one clock: their batch's wall time counts once, so this is the batch's throughput."""
     toks: dict[int, int] = defaultdict(int)
     wall: dict[int, float] = defaultdict(float)
+    seen: set[str] = set()
     for r in records:
         toks[r["repeat"]] += r["new_tokens"]
-        wall[r["repeat"]] += r["wall_s"]
+        batch = r.get("batch")
+        if batch is None:
+            wall[r["repeat"]] += r["wall_s"]
+        elif batch["id"] not in seen:
+            seen.add(batch["id"])
+            wall[r["repeat"]] += batch["wall_s"]
     return {k: toks[k] / wall[k] for k in toks if wall[k] > 0}
+
+
+def _total_wall(records: list[dict]) -> float:
+    """Seconds of decoding: a batch's wall time once for all its rows."""
+    batches = {r["batch"]["id"]: r["batch"]["wall_s"] for r in records if r.get("batch")}
+    return sum(r["wall_s"] for r in records if not r.get("batch")) + sum(batches.values())
 
 
 def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any]:
@@ -119,7 +135,7 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         "repeats": len(speed),
         "new_tokens": sum(r["new_tokens"] for r in records),
         "tokens_per_s": mean_std(list(speed.values())),
-        "total_tokens_per_total_s": sum(r["new_tokens"] for r in records) / max(sum(r["wall_s"] for r in records), 1e-12),
+        "total_tokens_per_total_s": sum(r["new_tokens"] for r in records) / max(_total_wall(records), 1e-12),
         "wall_s_per_turn": mean_std([r["wall_s"] for r in records]),
         "steps": steps,
         "tau_micro": step_tokens / steps if steps else None,
@@ -135,6 +151,10 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         "mean_tree_size": drafted / steps if steps else None,
         "peak_mem_bytes": max((r["peak_mem_bytes"] or 0 for r in records), default=None),
     }
+    sizes = [r["batch"]["size"] for r in records if r.get("batch")]
+    if sizes:  # decoding.batch_size > 1 (absent at batch 1: older summaries stay as they are)
+        out["batch"] = {"batches": len({r["batch"]["id"] for r in records if r.get("batch")}),
+                        "mean_size": statistics.fmean(sizes), "max_size": max(sizes)}
     cut = sum(r.get("stopped_by") == "context" for r in records)
     if cut:  # turns whose budget the target's context cut short (absent when none: older summaries stay as they are)
         out["stopped_by_context"] = cut

@@ -56,6 +56,8 @@ def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: 
     cls = get_class(drafter["_target_"]) if drafter.get("_target_") else None
     if isinstance(drafter.get("module"), dict) and hasattr(cls, "decoding_options"):
         drafter["module"] = cls.decoding_options(dict(drafter["module"]))  # its training-only options do not count
+    if decoding.get("batch_size", 1) == 1:  # batch 1 is how every run was decoded before the option: same names
+        decoding = {k: v for k, v in decoding.items() if k != "batch_size"}
     return {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": repeats,
             "seed": seed}
 
@@ -164,6 +166,8 @@ class Runner:
         if not 0 < self.decoding.top_p <= 1 or self.decoding.top_k < 0:
             raise SpecbenchError(f"decoding.top_p={self.decoding.top_p:g} must be in (0, 1] and decoding.top_k="
                                  f"{self.decoding.top_k} >= 0 (0 = off)")
+        if self.decoding.batch_size < 1:
+            raise SpecbenchError(f"decoding.batch_size={self.decoding.batch_size} must be >= 1")
         if self.bench.repeats < 1 or self.bench.warmup < 0:
             raise SpecbenchError("bench.repeats must be >= 1 and bench.warmup >= 0")
         self.questions = load_questions(self.dataset_cfg)
@@ -331,45 +335,76 @@ class Runner:
             reference = {(r["question_id"], r["turn"]): r["new_token_ids"] for r in baseline.records() if r["repeat"] == 0}
         dev = self.target.device
         mem = PeakMemory(self.target.devices)
-        tok = self.target.tokenizer
         context = self.target.max_positions
+        size = self.decoding.batch_size
         for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches
             ids = self.prompt_ids(todo[0][1], 0, [])
-            engine.generate(ids, min(self.budget(len(ids)), 32), torch.Generator(dev).manual_seed(self.cfg.seed),
-                            context)
+            rng = torch.Generator(dev).manual_seed(self.cfg.seed)
+            if size == 1:
+                engine.generate(ids, min(self.budget(len(ids)), 32), rng, context)
+            else:
+                engine.generate_batch([ids] * size, min(self.budget(len(ids)), 32), [rng] * size, context)
+        # B questions of one repeat decoded together, turn by turn (a later turn's prompt holds the earlier answer)
+        groups = [todo[i : i + size] for i in range(0, len(todo), size)] if size > 1 else [[x] for x in todo]
+        groups = [g for chunk in groups for g in _split_repeats(chunk)]
         total = sum(len(q.turns) for _, q in todo)
         with tqdm(total=total, desc=f"{label} {self.dataset_cfg.name}", unit="turn", dynamic_ncols=True) as bar:
-            for repeat, q in todo:
-                answers: list[str] = []
-                rows = []
-                diverged = False  # an earlier turn of this question left the baseline's output
-                for turn in range(len(q.turns)):
-                    ids = self.prompt_ids(q, turn, answers)
-                    gen_rng = torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, repeat, q.question_id, turn))
+            for group in groups:
+                answers: dict[str, list[str]] = {q.question_id: [] for _, q in group}
+                rows: dict[str, list[dict]] = {q.question_id: [] for _, q in group}
+                for turn in range(max(len(q.turns) for _, q in group)):
+                    members = [(r, q) for r, q in group if turn < len(q.turns)]
+                    prompts = [self.prompt_ids(q, turn, answers[q.question_id]) for _, q in members]
+                    budgets = [self.budget(len(ids)) for ids in prompts]
+                    rngs = [torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, r, q.question_id, turn))
+                            for r, q in members]
+                    live = [i for i, b in enumerate(budgets) if b > 0]
                     mem.reset()
-                    budget = self.budget(len(ids))
-                    if budget > 0:
-                        g = engine.generate(ids, budget, gen_rng, context)
-                    else:  # the conversation so far fills the context: nothing to decode
-                        g = Generation(new_tokens=[], prompt_tokens=len(ids), wall_s=0.0, prefill_s=0.0)
-                    if budget < self.decoding.max_new_tokens and g.stopped_by == "max_new_tokens":
-                        g.stopped_by = "context"
-                    # after a turn that left the baseline's text, this turn's prompt holds other words: not comparable
-                    ref = None if diverged else reference.get((q.question_id, turn))
-                    rows.append(self._record(q, turn, repeat, g, mem.read(), ref))
-                    if diverged:
-                        rows[-1]["after_divergence"] = True
-                    diverged = diverged or rows[-1]["first_divergence"] is not None
-                    if rows[-1]["first_divergence"] is not None:  # near-tie or mismatch (specbench/divergence.py)
-                        j = rows[-1]["first_divergence"]
-                        if j < min(len(ref), len(g.new_tokens)):  # not one output a prefix of the other
-                            replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
-                            rows[-1]["divergence"] = {"position": j, **divergence.classify(
-                                replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)}
-                    answers.append(tok.decode(g.new_tokens, skip_special_tokens=True).strip())
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{rows[-1]['tokens_per_s'] or 0:.1f}", tau=f"{g.tau:.2f}")
-                run_dir.append(rows)  # all turns of a question at once: resume never sees half a conversation
+                    gens: dict[int, Generation] = {}
+                    batch = None
+                    if size == 1 and live:
+                        gens[0] = engine.generate(prompts[0], budgets[0], rngs[0], context)
+                    elif live:
+                        out = engine.generate_batch([prompts[i] for i in live], [budgets[i] for i in live],
+                                                    [rngs[i] for i in live], context)
+                        gens = dict(zip(live, out.rows))
+                        batch = {"id": f"{members[0][0]}/{members[0][1].question_id}/{turn}", "size": len(live),
+                                 "wall_s": out.wall_s, "steps": out.steps}
+                    peak = mem.read()
+                    for i, (repeat, q) in enumerate(members):
+                        # the conversation so far fills the context: nothing to decode
+                        g = gens.get(i) or Generation(new_tokens=[], prompt_tokens=len(prompts[i]), wall_s=0.0,
+                                                      prefill_s=0.0)
+                        qrows = rows[q.question_id]
+                        row = self._turn_record(q, turn, repeat, g, peak, prompts[i], budgets[i], reference, engine,
+                                                context, diverged=any(r["first_divergence"] is not None for r in qrows))
+                        if batch is not None and i in gens:
+                            row["batch"] = batch
+                        qrows.append(row)
+                        answers[q.question_id].append(self.target.tokenizer.decode(g.new_tokens,
+                                                                                   skip_special_tokens=True).strip())
+                        bar.update(1)
+                        bar.set_postfix(tok_s=f"{row['tokens_per_s'] or 0:.1f}", tau=f"{g.tau:.2f}")
+                # all turns of a question at once: resume never sees half a conversation
+                run_dir.append([row for _, q in group for row in rows[q.question_id]])
+
+    def _turn_record(self, q: Question, turn: int, repeat: int, g: Generation, mem: dict, ids: list[int], budget: int,
+                     reference: dict, engine: Engine, context: int | None, diverged: bool) -> dict:
+        """One turn's record: compared with the baseline's output unless an earlier turn of the question left it (this
+        turn's prompt then holds other words); a divergence classified as a near-tie or a mismatch, by replays at
+        batch 1 (specbench/divergence.py)."""
+        if budget < self.decoding.max_new_tokens and g.stopped_by == "max_new_tokens":
+            g.stopped_by = "context"
+        ref = None if diverged else reference.get((q.question_id, turn))
+        row = self._record(q, turn, repeat, g, mem, ref)
+        if diverged:
+            row["after_divergence"] = True
+        j = row["first_divergence"]
+        if j is not None and j < min(len(ref), len(g.new_tokens)):  # not one output a prefix of the other
+            replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
+            row["divergence"] = {"position": j, **divergence.classify(
+                replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)}
+        return row
 
     @staticmethod
     def _record(q: Question, turn: int, repeat: int, g: Generation, mem: dict, ref: list[int] | None) -> dict:
@@ -385,6 +420,17 @@ class Runner:
             "matches_baseline": None if ref is None else ref == g.new_tokens,
             "first_divergence": None if ref is None else first_divergence(g.new_tokens, ref),
         }
+
+
+def _split_repeats(chunk: list[tuple[int, Question]]) -> list[list[tuple[int, Question]]]:
+    """A batch holds questions of one repeat (a repeat's questions are consecutive in `todo`)."""
+    out: list[list[tuple[int, Question]]] = []
+    for item in chunk:
+        if out and out[-1][0][0] == item[0]:
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out
 
 
 def _headline(s: dict) -> str:

@@ -280,6 +280,7 @@ def test_an_hf_draft_runs_without_a_specbench_checkpoint(make_cfg, tmp_path, tin
     ("decoding.temperature=-1", "decoding.temperature=-1 must be >= 0"),
     ("decoding.top_p=0", "decoding.top_p=0 must be in"),
     ("decoding.top_k=-2", "decoding.top_k=-2 >= 0"),
+    ("decoding.batch_size=0", "decoding.batch_size=0 must be >= 1"),
 ])
 def test_bad_decoding_parameters_are_refused_before_anything_runs(make_cfg, tmp_path, override, message):
     """temperature=-1 ran as greedy without a word."""
@@ -337,3 +338,25 @@ def test_training_settings_do_not_name_a_run_but_the_weights_do(make_cfg):
     cfg4 = make_cfg("drafter=hass", "drafter.checkpoint=null")
     cfg5 = make_cfg("drafter=hass", "drafter.checkpoint=null", "drafter.module.topk_stage=0.5")
     assert Runner(cfg4).run_dir_for(cfg4.drafter)[0].path == Runner(cfg5).run_dir_for(cfg5.drafter)[0].path
+
+
+@pytest.mark.parametrize("drafter", ["sd", "eagle2"])
+def test_a_batched_run_is_lossless_per_row_against_its_batched_baseline(make_cfg, drafter):
+    """decoding.batch_size=2: the 3 questions in batches of 2 then 1, turn by turn (question 1's second turn alone);
+    each row equals the baseline at the same batch size, which equals the batch-1 baseline here (fp32, tiny); the
+    speed is the batch's throughput, and batch 1 keeps the names runs had before the option."""
+    extra = ["drafter.checkpoint=null"] + (["drafter.module.init_layers=[0,1,2]"] if drafter == "sd" else [])
+    run = Runner(make_cfg(f"drafter={drafter}", "decoding.batch_size=2", *extra)).execute()
+    summary = json.loads(run.summary_path.read_text())
+    assert summary["lossless"] == {"compared": 4, "matches": 4, "rate": 1.0}
+    assert summary["batch"] == {"batches": 3, "mean_size": 1.5, "max_size": 2} and summary["speedup"]["mean"] > 0
+    recs = read_jsonl(run.records_path)
+    assert {r["batch"]["size"] for r in recs} == {1, 2}
+    pair = [r for r in recs if r["turn"] == 0 and r["question_id"] in ("1", "2")]
+    assert pair[0]["batch"] == pair[1]["batch"]  # decoded together, one clock
+    base_b = read_jsonl(run.path.parent / summary["baseline_run"] / "records.jsonl")
+    base_1 = read_jsonl(Runner(make_cfg("drafter=none")).execute().records_path)
+    one = {(r["question_id"], r["turn"]): r["new_token_ids"] for r in base_1}
+    assert all(one[(r["question_id"], r["turn"])] == r["new_token_ids"] for r in base_b)
+    assert len(list(run.path.parent.glob("*__none__*"))) == 2  # batch 1 and batch 2: two baselines
+
