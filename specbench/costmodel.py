@@ -102,6 +102,7 @@ class TargetCost:
     context: int  # tokens in the cache when verifying: the prompt + half the run's new tokens
     sizes: list[int]  # Q: tokens per verification forward (root included)
     seconds: list[float]  # median seconds per forward at each Q
+    batch: int = 1  # rows per forward (decoding.batch_size): Q tokens in each
 
     def verify(self, q: int) -> float:
         return float(np.interp(q, self.sizes, self.seconds))
@@ -130,13 +131,17 @@ class Choice:
 
 def predict(target: TargetCost, drafter: DrafterCost, depth: int, topk: int, nodes: int, new_tokens: int,
             trace: list[StepTrace], draft_scale: float = 1.0) -> Choice:
+    """Predicted tokens/s of the tree cut at (depth, topk, nodes). At batch B (target.batch) the B rows' drafters
+    propose one after another (Engine.generate_batch) and keep their own bookkeeping, while one forward verifies
+    B x (nodes + 1) tokens: the batch's throughput is B x T over that step time."""
+    b = target.batch
     tau = predicted_tau(trace, depth, nodes, topk or None)
     draft = {(int(d), int(k)): t for d, k, t in drafter.draft}[(depth, topk)] * draft_scale
-    t_step = draft + target.verify(nodes + 1) + drafter.overhead_s
+    t_step = b * draft + target.verify(nodes + 1) + b * drafter.overhead_s
     # the run's prompt: the target's prefill at its length, plus what the drafter adds to a prefill (calibration)
-    prefill = target.prefill_s + max(0.0, drafter.prefill_s - drafter.ar_prefill_s)
-    tps = new_tokens / (prefill + (new_tokens - 1) / tau * t_step)
-    ar = new_tokens / (target.prefill_s + (new_tokens - 1) * (target.verify(1) + drafter.ar_overhead_s))
+    prefill = target.prefill_s + b * max(0.0, drafter.prefill_s - drafter.ar_prefill_s)
+    tps = b * new_tokens / (prefill + (new_tokens - 1) / tau * t_step)
+    ar = b * new_tokens / (target.prefill_s + (new_tokens - 1) * (target.verify(1) + b * drafter.ar_overhead_s))
     return Choice(depth, topk, nodes, tau, tps, tps / ar)
 
 
@@ -181,10 +186,11 @@ def base_nodes(base: dict) -> int:
 
 # ---- measuring -------------------------------------------------------------------------------------------------------
 @torch.inference_mode()
-def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: int = 5) -> TargetCost:
+def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: int = 5, batch: int = 1) -> TargetCost:
+    """One target forward over `batch` rows of Q new tokens each, behind `context` cached ones, per Q in `sizes`."""
     dev = target.device
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, target.vocab_size, (1, context), generator=g).to(dev)
+    ids = torch.randint(0, target.vocab_size, (batch, context), generator=g).to(dev)
     prefills = []
     for _ in range(3):  # the prefill of a run's prompt
         sync(dev)
@@ -196,7 +202,7 @@ def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: in
     target.prefill(ids, cache)
     seconds = []
     for q in sizes:
-        tokens = torch.randint(0, target.vocab_size, (1, q - 1), generator=g).to(dev)
+        tokens = torch.randint(0, target.vocab_size, (batch, q - 1), generator=g).to(dev)
         parents = torch.full((q - 1,), -1, dtype=torch.long, device=dev)  # a star: the tree mask, not the causal one
         anc = ancestor_matrix(parents)
         times = []
@@ -208,7 +214,7 @@ def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: in
             times.append(time.perf_counter() - t0)
             cache.crop(context - cache.get_seq_length())  # transformers 5: a negative count
         seconds.append(statistics.median(times[1:]))  # the first is the warm-up
-    return TargetCost(prompt, statistics.median(prefills), context, sizes, seconds)
+    return TargetCost(prompt, statistics.median(prefills), context, sizes, seconds, batch)
 
 
 def _per_step(gens: list[Generation]) -> tuple[float, float, float, float]:
@@ -292,18 +298,19 @@ class AutoConfig:
 
 def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter], drafter_key: dict,
                 prompts: list[list[int]], run_prompts: list[list[int]], run_tokens: int, cache_root: str,
-                model: str) -> tuple[dict, dict]:
+                model: str, batch: int = 1) -> tuple[dict, dict]:
     """The tuned tree (a conf/tree dict) and the record that explains it (written into run.json). `prompts`: the
     calibration questions (acceptance, draft cost); `run_prompts`: the run's own, whose length sets the target's
-    prefill and verification costs (a long-prompt set makes every verification dearer)."""
+    prefill and verification costs (a long-prompt set makes every verification dearer). `batch`: the run's
+    decoding.batch_size, at which the target's forwards are timed and the throughput predicted."""
     base = auto.base
     prompt = int(statistics.fmean(len(p) for p in run_prompts))
     context = prompt + run_tokens // 2
     sizes = sorted({q for q in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96) if q <= base_nodes(base) + 1}
                    | {base_nodes(base) + 1})
     tpath = cache_path(cache_root, target.device, model, target.dtype, "target",
-                       {"prompt": prompt, "context": context, "sizes": sizes})
-    tcost, tpath = cached(tpath, lambda: time_verify(target, prompt, context, sizes), TargetCost)
+                       {"prompt": prompt, "context": context, "sizes": sizes, **({"batch": batch} if batch > 1 else {})})
+    tcost, tpath = cached(tpath, lambda: time_verify(target, prompt, context, sizes, batch=batch), TargetCost)
     key = {**drafter_key, "base": base, "calibration": asdict(auto) | {"prompts": prompts}}
     dpath = cache_path(cache_root, target.device, model, target.dtype, drafter_key.get("name", "drafter"), key)
     dcost, dpath = cached(dpath, lambda: calibrate_drafter(target, make_drafter, base, prompts, auto.new_tokens,
@@ -320,7 +327,7 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
               "base": base, "base_predicted": asdict(paper), "cost_files": [str(tpath), str(dpath), str(spath)],
               "draft_context_scale": asdict(scale),
               "verify_s": dict(zip(tcost.sizes, tcost.seconds)), "draft_s": {f"depth {int(d)}, top-k {int(k)}": t for d, k, t in dcost.draft},
-              "overhead_s": dcost.overhead_s, "calibration": asdict(auto),
+              "overhead_s": dcost.overhead_s, "calibration": asdict(auto), "batch": batch,
               # the best prediction at each node count (over depths): the figure's curve
               "curve": {n: max(c.tokens_per_s for c in grid if c.nodes == n) for n in sorted({c.nodes for c in grid})},
               "baseline_predicted_tokens_per_s": choice.tokens_per_s / choice.speedup}

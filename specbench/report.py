@@ -90,6 +90,14 @@ class VocabTable:
 
 
 @dataclass(frozen=True)
+class BatchTable:
+    """Every drafter's speedup against batch size (batch_report), at its paper tree and at tree=auto per B."""
+
+    name: str
+    datasets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class BoardTable:
     """Spec-Bench's board (board_report): drafters x its six tasks in its own columns, with a published board beside."""
 
@@ -117,6 +125,8 @@ def experiment_report(exp: str) -> tuple[list, list[str]] | None:
             tables.append(AutoTable(t["name"], tuple(t["datasets"])))
         elif kind == "vocab":
             tables.append(VocabTable(t["name"], tuple(t["datasets"])))
+        elif kind == "batch":
+            tables.append(BatchTable(t["name"], tuple(t["datasets"])))
         elif kind == "board":
             tables.append(BoardTable(t["name"], tuple(t["columns"].items()), tuple(t["drafters"]), t.get("published"),
                                      tuple((t.get("ours") or {}).items())))
@@ -125,7 +135,7 @@ def experiment_report(exp: str) -> tuple[list, list[str]] | None:
                                 tuple(t["metrics"]), tuple(float(x) for x in t.get("temperatures", [0.0])),
                                 bool(t.get("mean", False)), t.get("paper_tree", "")))
         else:
-            raise ValueError(f"{path}: report table kind {kind!r} is not table, router, auto, vocab or board")
+            raise ValueError(f"{path}: report table kind {kind!r} is not table, router, auto, vocab, batch or board")
     return tables, list(node.get("figures", []))
 
 
@@ -553,6 +563,102 @@ def vocab_report(exp_dir: Path, table: VocabTable) -> list[Path]:
     return written
 
 
+def batch_key(summary: dict, head: dict) -> tuple:
+    """The batch_sweep table's cell: (drafter, dataset, none | paper | auto, B)."""
+    return (*tree_key(summary, head), int(head["config"]["decoding"].get("batch_size", 1)))
+
+
+def below_one(speedups: dict[int, float | None]) -> str:
+    """The first batch size whose measured speedup is under 1.0x, '>' the largest measured when none is."""
+    measured = sorted(b for b, v in speedups.items() if v is not None)
+    first = next((b for b in measured if speedups[b] < 1.0), None)
+    return MISSING if not measured else str(first) if first is not None else f"> {measured[-1]}"
+
+
+def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
+    """Each drafter's speedup (and per-row τ) against the baseline at the same batch size, B = every size run, at its
+    paper tree and at tree=auto sized per B; the batch size at which it drops below 1.0x; the baseline's throughput
+    and peak memory per B, and how many of its turns differ from its own batch-1 output (a batched matmul rounds
+    differently: those differences are the baseline's, not a drafter's). conf/experiment/batch_sweep.yaml."""
+    by_setting = load_runs(exp_dir, batch_key)
+    written = []
+    for setting, cells in sorted(by_setting.items()):
+        stem = file_stem(setting, by_setting)
+        sizes = sorted({k[3] for k in cells})
+        present = {k[1] for k in cells}
+        datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
+        drafters = sorted({k[0] for k in cells if k[0] != "none"})
+        head = ["method", "dataset", "tree"] + [f"B={b}" for b in sizes] + ["< 1.0x from B"]
+        rows = []
+        for ds in datasets:
+            for d in drafters:
+                for variant in ("paper", "auto"):
+                    runs = {b: cells.get((d, ds, variant, b)) for b in sizes}
+                    if not any(runs.values()):
+                        continue
+                    rows.append([d, ds, variant] + [MISSING if r is None else f"{cell(r, 'spu')} ({cell(r, 'tau')})"
+                                                    for r in runs.values()]
+                                + [below_one({b: value(r, "spu") for b, r in runs.items()})])
+        base_head = ["dataset"] + [f"B={b}" for b in sizes]
+        base_rows = []
+        for ds in datasets:
+            bases = {b: cells.get(("none", ds, "none", b)) for b in sizes}
+            one = _token_ids(exp_dir, bases.get(1))
+            base_rows.append([f"{ds}: throughput (tokens/s)"] + [cell(r, "speed") for r in bases.values()])
+            base_rows.append([f"{ds}: peak memory (GiB)"] + [cell(r, "mem") for r in bases.values()])
+            base_rows.append([f"{ds}: turns ≠ batch 1"] + [_differ(one, _token_ids(exp_dir, r)) for r in bases.values()])
+        used = list(cells.values())
+        caption = (f"Speedup (per-row τ) against the baseline at the same batch size B (decoding.batch_size: B questions "
+                   f"decoded together, each row its own tree, one target forward verifying all rows; speed = the "
+                   f"batch's throughput), T=0, at each drafter's paper tree and at tree=auto sized per B (the cost "
+                   f"model times B x (tree + 1) tokens per forward and B drafters per step); {setting.describe()}. "
+                   f"{provenance(used) if used else 'no runs yet'}.")
+        md = md_table(caption, head, rows) + [""] + md_table(
+            "The baseline per batch size: throughput, peak memory, and its turns whose output differs from its own "
+            "batch-1 output (rounding of batched matmuls; each drafter is compared with the baseline at its own B).",
+            base_head, base_rows)
+        path = exp_dir / f"{table.name}.{stem}.md"
+        path.write_text("\n".join(md) + "\n")
+        written.append(path)
+        if figure:
+            figure_batch(cells, sizes, datasets[0] if datasets else None, exp_dir / f"batch.{stem}.png")
+    return written
+
+
+def _token_ids(exp_dir: Path, run: dict | None) -> dict | None:
+    """A run's output per (question, turn, repeat), from its records."""
+    if run is None:
+        return None
+    return {(r["question_id"], r["turn"], r["repeat"]): r["new_token_ids"]
+            for r in read_jsonl(exp_dir / run["run"] / "records.jsonl")}
+
+
+def _differ(one: dict | None, other: dict | None) -> str:
+    if one is None or other is None:
+        return MISSING
+    common = set(one) & set(other)
+    return f"{sum(one[k] != other[k] for k in common)} / {len(common)}"
+
+
+def figure_batch(cells: dict, sizes: list[int], dataset: str | None, path: Path) -> None:
+    """Speedup against batch size per drafter (solid: paper tree, dashed: tree=auto), the 1.0x line."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drafters = sorted({k[0] for k in cells if k[0] != "none" and k[1] == dataset})
+    for i, d in enumerate(drafters):
+        for variant, style in (("paper", "-"), ("auto", "--")):
+            pts = [(b, value(cells.get((d, dataset, variant, b)), "spu")) for b in sizes]
+            pts = [(b, v) for b, v in pts if v is not None]
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", ms=3, color=f"C{i % 10}", label=f"{d} ({variant})")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B"), ax.set_ylabel(f"speedup vs the baseline at B ({dataset})")
+    ax.set_title("solid: paper tree, dashed: tree=auto per B", fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6, ncol=2)
+    save(fig, path)
+
+
 def question_speeds(run_dir: Path) -> tuple[list[float], list[int]]:
     """Spec-Bench's per-question speed (evaluation/speed.py: a question's new tokens over its wall time, its turns
     summed; each repeat a question of its own) and every step's accepted tokens (accepted + the bonus token)."""
@@ -688,6 +794,8 @@ def report(results: Path) -> list[Path]:
             written += tree_auto_report(exp_dir, table, "tree_size" in figures)
         for table in (t for t in tables if isinstance(t, VocabTable)):
             written += vocab_report(exp_dir, table)
+        for table in (t for t in tables if isinstance(t, BatchTable)):
+            written += batch_report(exp_dir, table, "batch" in figures)
         for table in (t for t in tables if isinstance(t, BoardTable)):
             written += board_report(exp_dir, table)
     training_curves(results / "training", results / "training")

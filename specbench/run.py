@@ -248,7 +248,8 @@ class Runner:
         return costmodel.choose_tree(self.target, auto,
                                      lambda t: self._instantiate(build(t), self.cfg.drafter.name),
                                      {"name": self.cfg.drafter.name, **key}, prompts, run_prompts,
-                                     self.decoding.max_new_tokens, self.model_cfg.cache_dir, self.model_cfg.name)
+                                     self.decoding.max_new_tokens, self.model_cfg.cache_dir, self.model_cfg.name,
+                                     batch=self.decoding.batch_size)
 
     def _instantiate(self, spec: dict, name: str | None) -> Drafter:
         try:

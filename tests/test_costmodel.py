@@ -100,6 +100,20 @@ def test_the_choice_follows_the_measured_costs():
     assert [(c.depth, c.nodes) for c in grid] == [(d, d) for d in range(1, 5)]  # top-1: depth d holds d nodes
 
 
+def test_at_batch_the_rows_drafting_one_after_another_cost_what_a_batched_forward_saves():
+    """decoding.batch_size=B: the B rows' drafters propose one after another while one forward verifies them all, so
+    a draft time the batch-1 choice can afford shrinks the batch's speedup, and the same costs pick a shallower
+    tree (here: 2 ms per drafted level against a 10 ms forward that batching does not slow)."""
+    one, drafter = costs(0.0001)
+    drafter.draft = [[d, 1, 0.002 * d] for d in range(1, 5)]
+    at1, _ = best_tree(one, drafter, 64)
+    eight = TargetCost(**{**one.__dict__, "batch": 8})
+    at8, _ = best_tree(eight, drafter, 64)
+    assert (at1.depth, at8.depth) == (4, 1) and at8.speedup < 1 < at1.speedup
+    # the baseline's throughput grows 8x at the same forward time: the prediction is the batch's
+    assert at8.tokens_per_s / at8.speedup == pytest.approx(8 * at1.tokens_per_s / at1.speedup)
+
+
 @pytest.mark.slow
 def test_a_run_with_tree_auto_records_its_choice_and_is_lossless(make_cfg, tmp_path):
     cfg = make_cfg("drafter=eagle2", "drafter.checkpoint=null", "tree=auto", "tree.questions=2",

@@ -187,3 +187,29 @@ def test_the_specbench_board_in_its_columns_with_the_published_board(tmp_path, t
     assert rows["eagle3"][1:] == ["–"] * 7 + ["– |"]
     assert "another target and device: Vicuna-7B-v1.3" in md
     assert rows["PLD (pld)"][1:] == ["1.60x", "1.06x", "2.66x", "1.19x", "1.62x", "1.86x", "1.75", "1.66x |"]
+
+
+def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
+    """conf/experiment/batch_sweep.yaml narrowed (one override per axis, as a GPU user widens it) to pld at its paper
+    tree, B = 1 and 2, two MT-Bench questions: a speedup (τ) cell per B, the B where it drops below 1.0x, the
+    baseline's rows per B (its batch-1 differences counted), and the figure."""
+    args = [sys.executable, "-m", "specbench.run", "-m", "+experiment=batch_sweep", "+preset=cpu",
+            f"model.path={tiny_checkpoint}", "model.name=tiny", "drafter=none,pld", "tree=paper",
+            "decoding.batch_size=1,2", "dataset.limit=2", "decoding.max_new_tokens=8", "bench.warmup=0",
+            f"out.root={tmp_path / 'results'}"]
+    res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    exp = tmp_path / "results" / "batch_sweep"
+    assert len(list(exp.glob("*__none__*"))) == 2  # one baseline per batch size
+    written = report(tmp_path / "results")
+    md = (exp / "batch.tiny.md").read_text()
+    assert exp / "batch.tiny.md" in written and (exp / "batch.tiny.png").is_file()
+    rows = {tuple(line.split(" | ")[:3]): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
+    assert rows[("| method", "dataset", "tree")][3:] == ["B=1", "B=2", "< 1.0x from B |"]
+    pld = rows[("| pld", "mtbench", "paper")]
+    assert all(c.endswith(")") and "x (" in c for c in pld[3:5])
+    assert pld[5] == "1 |" if float(pld[3].split("x")[0]) < 1 else pld[5] in ("2 |", "> 2 |")
+    base = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in md.splitlines()
+            if line.startswith("| mtbench")}
+    assert base["mtbench: turns ≠ batch 1"] == ["0 / 4", "0 / 4 |"]
