@@ -38,6 +38,9 @@ class ModelConfig:
     # the target's KV cache: dynamic = transformers' DynamicCache (a torch.cat of every layer's cache per forward);
     # preallocated = buffers sized to the run's context, written in place (specbench/kvcache.py, issue 30)
     cache: str = "dynamic"
+    # compile = true: the target's tree forwards run through torch.compile over a static cache, trees padded to
+    # power-of-two buckets so nothing recompiles per step (CUDA: with CUDA graphs, mode reduce-overhead); issue 30
+    compile: bool = False
     revision: str | None = None
     # drafter -> the hub repository of its authors' published weights for this target (`make download` puts them in
     # weights/<name>/<drafter>/, where the drafter configs look); only checkpoints that exist are listed

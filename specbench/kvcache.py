@@ -158,3 +158,66 @@ class PreallocatedCache(Cache):
             layer.reorder_cache(index)
             layer.set_row_lengths(lengths)
 
+
+
+class StaticLayer(PreallocatedLayer):
+    """model.compile: one layer's buffers at a fixed capacity, which attention reads whole (a static shape for
+    torch.compile and CUDA graphs; the engine's mask hides the columns not in use). A forward writes its rows at the
+    device-side offset `pos` (set by TargetModel before each forward, shared by every layer), so a compiled graph never
+    reads the host's length; the host length (what `keys` / `values` views, crop and compaction use) is advanced by
+    TargetModel after the forward, for the rows that count (a padded tree's padding rows are written past it, stale)."""
+
+    def __init__(self, capacity: int, pos: torch.Tensor):
+        super().__init__(capacity)
+        self.pos = pos  # [] long, on the device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        # buffers that live as long as the graphs: CUDA graphs may capture writes into them (mode reduce-overhead)
+        torch._dynamo.mark_static_address(self._k)
+        torch._dynamo.mark_static_address(self._v)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        idx = torch.arange(key_states.shape[-2], device=key_states.device) + self.pos
+        self._k.index_copy_(2, idx, key_states)
+        self._v.index_copy_(2, idx, value_states)
+        return self._k, self._v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.capacity, 0
+
+    def set_row_lengths(self, lengths: list[int]) -> None:
+        if len(set(lengths)) > 1:
+            raise SpecbenchError("model.compile decodes one row at a time (its cache has no ragged rows)")
+        super().set_row_lengths(lengths)
+
+
+class StaticCache(Cache):
+    """model.compile's target cache: StaticLayer buffers of `capacity` positions for every decoder layer of `config`,
+    kept by TargetModel and reused across generations (the compiled graphs hold on to them)."""
+
+    def __init__(self, config, capacity: int, device: torch.device):
+        PreallocatedCache(config, 1)  # the same refusal of sliding-window layers
+        text = config.get_text_config(decoder=True)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.capacity = capacity
+        super().__init__(layers=[StaticLayer(capacity, self.pos) for _ in range(text.num_hidden_layers)])
+
+    def begin(self, rows: int) -> None:
+        """Where the next forward writes its `rows` rows: behind the entries in use; past the capacity is refused (the
+        engine sizes the capacity to the run: prompt, new tokens and the largest padded tree)."""
+        n = self.get_seq_length()
+        if n + rows > self.capacity:
+            raise SpecbenchError(f"model.compile: {n + rows} positions exceed the static cache's {self.capacity}")
+        self.pos.fill_(n)
+
+    def advance(self, rows: int) -> None:
+        """The forward's first `rows` rows now count as cached."""
+        for layer in self.layers:
+            layer.length += rows
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()

@@ -45,7 +45,9 @@ def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
             **({} if cfg.use_fast_tokenizer else {"use_fast_tokenizer": False}),
             # (the same: DynamicCache was the only cache; a preallocated one computes the same attention, yet a run
             # says which it decoded with)
-            **({} if cfg.cache == "dynamic" else {"cache": cfg.cache})}
+            **({} if cfg.cache == "dynamic" else {"cache": cfg.cache}),
+            # (compiled kernels may round differently from eager ones: a compiled run is a run of its own)
+            **({"compile": True} if cfg.compile else {})}
 
 
 def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: int, seed: int) -> dict:
@@ -168,11 +170,15 @@ class Runner:
                                  f"{self.decoding.top_k} >= 0 (0 = off)")
         if self.decoding.batch_size < 1:
             raise SpecbenchError(f"decoding.batch_size={self.decoding.batch_size} must be >= 1")
+        if self.model_cfg.compile and self.decoding.batch_size > 1:
+            raise SpecbenchError(f"model.compile=true decodes one prompt at a time; decoding.batch_size="
+                                 f"{self.decoding.batch_size} runs eagerly: drop one of the two")
         if self.bench.repeats < 1 or self.bench.warmup < 0:
             raise SpecbenchError("bench.repeats must be >= 1 and bench.warmup >= 0")
         self.questions = load_questions(self.dataset_cfg)
         model, tok, device = load_model(self.model_cfg)
-        self.target = TargetModel(model, tok, device, self.model_cfg.name, cache=self.model_cfg.cache)
+        self.target = TargetModel(model, tok, device, self.model_cfg.name, cache=self.model_cfg.cache,
+                                  compile=self.model_cfg.compile)
         self.identity = model_identity(self.model_cfg, device, self.target.dtype)
         self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
         self.tree_auto: dict | None = None  # tree=auto: the chosen tree and its prediction (run.json)

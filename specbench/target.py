@@ -12,11 +12,13 @@ import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from specbench.errors import SpecbenchError
-from specbench.kvcache import PreallocatedCache
+from specbench.kvcache import PreallocatedCache, StaticCache
 
-from specbench.tree import tree_attention_mask, tree_position_ids
+from specbench.tree import additive, tree_attention_mask, tree_position_ids
 
 CACHES = ("dynamic", "preallocated")  # model.cache
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # model.compile: tree forwards padded to these row counts (one graph each)
+STATIC_BLOCK = 256  # model.compile: static caches come in multiples of this many positions (one graph set each)
 
 
 @dataclass
@@ -30,7 +32,7 @@ class TargetModel:
     """Owns nothing but the model: each generation creates its own cache with `new_cache()`."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device, name: str,
-                 cache: str = "dynamic"):
+                 cache: str = "dynamic", compile: bool | str = False):
         cfg = model.config
         if cache not in CACHES:
             raise SpecbenchError(f"model.cache={cache!r} is not one of {', '.join(CACHES)}")
@@ -49,6 +51,20 @@ class TargetModel:
         self.eos_token_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         # every device the model computes on (several under model.device_map): what timing syncs and memory reads
         self.devices: tuple[torch.device, ...] = tuple(sorted({p.device for p in model.parameters()}, key=str)) or (device,)
+        self.compiled = None  # model.compile: the compiled tree forward (_static_step) and its static caches
+        self._static: dict[int, StaticCache] = {}
+        if compile:
+            if len(self.devices) > 1:
+                raise SpecbenchError("model.compile runs the target on one device (not with model.device_map)")
+            import torch._dynamo
+
+            # one graph per (tree bucket, cache block): more than dynamo's default of 8 before it gives up on a function
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # compile=True: inductor (with CUDA graphs on CUDA); a string names another torch.compile backend (tests)
+            backend = compile if isinstance(compile, str) else "inductor"
+            cuda_graphs = backend == "inductor" and device.type == "cuda"
+            self.compiled = torch.compile(self._static_step, dynamic=False, backend=backend,
+                                          mode="reduce-overhead" if cuda_graphs else None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -56,7 +72,16 @@ class TargetModel:
 
     def new_cache(self, capacity: int | None = None) -> Cache:
         """A fresh cache for one generation; `capacity`: the positions it will hold (a preallocated cache sizes its
-        buffers to it; it grows past it if it must)."""
+        buffers to it; it grows past it if it must). Compiled: the static cache of the capacity's block (its
+        positions rounded up to STATIC_BLOCK, room for a padded tree included), reused across generations, since the
+        compiled graphs are built on its buffers."""
+        if self.compiled is not None:
+            block = STATIC_BLOCK * -(-((capacity or 1024) + max(BUCKETS)) // STATIC_BLOCK)
+            cache = self._static.get(block)
+            if cache is None:
+                cache = self._static[block] = StaticCache(self.model.config, block, self.device)
+            cache.reset()
+            return cache
         if self.cache == "preallocated":
             return PreallocatedCache(self.model.config, capacity or 1024)
         return DynamicCache(config=self.model.config)
@@ -78,6 +103,8 @@ class TargetModel:
         logits_rows: slice | torch.Tensor = slice(None),
         layers: tuple[int, ...] = (),  # hidden_states indices whose rows come back in TargetForward.layers
     ) -> TargetForward:
+        if isinstance(cache, StaticCache):
+            return self._forward_static(input_ids, cache, position_ids, attention_mask, logits_rows, layers)
         out = self.decoder(
             input_ids=input_ids,
             past_key_values=cache,
@@ -91,6 +118,44 @@ class TargetModel:
         # with a device map the last layers and the LM head may sit elsewhere: back to the engine's device (no-op else)
         picked = torch.cat([out.hidden_states[i].to(self.device) for i in layers], -1) if layers else None
         return TargetForward(logits=logits.to(self.device), hidden=hidden.to(self.device), layers=picked)
+
+    def _static_step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
+                     layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward model.compile compiles: static shapes (ids [B, Q] with Q a bucket, mask [B, 1, Q, capacity]),
+        the cache written at its device-side offset, nothing read on the host."""
+        out = self.decoder(input_ids=ids, past_key_values=cache, position_ids=pos, attention_mask=mask, use_cache=True,
+                           output_hidden_states=bool(layers))
+        picked = torch.cat([out.hidden_states[i] for i in layers], -1) if layers else None
+        return out.last_hidden_state, picked
+
+    def _forward_static(self, input_ids, cache: StaticCache, position_ids, attention_mask, logits_rows, layers):
+        """forward() on model.compile's static cache. A tree forward (Q <= the largest bucket) is padded to the next
+        bucket (padding rows: token 0 at the root's position, seeing the first cached entry; written past the length
+        that counts, so stale) and runs compiled; a prefill runs eagerly on the same buffers. The mask (causal when
+        None) is widened to the whole buffer: the columns not in use are hidden."""
+        b, q = input_ids.shape
+        n = cache.get_seq_length()
+        if position_ids is None:
+            position_ids = torch.arange(n, n + q, device=input_ids.device)[None].expand(b, -1)
+        if attention_mask is None:  # causal: the prefix and the rows up to itself
+            allowed = torch.ones(q, n + q, dtype=torch.bool, device=input_ids.device).tril(n)
+            attention_mask = additive(allowed[None, None].expand(b, 1, q, n + q), self.dtype)
+        width = cache.capacity
+        pad = next((k for k in BUCKETS if k >= q), None) if n > 0 else None  # a prefill (n = 0) is not compiled
+        rows = q if pad is None else pad
+        mask = attention_mask.new_full((b, 1, rows, width), torch.finfo(attention_mask.dtype).min)
+        mask[:, :, :q, : n + q] = attention_mask
+        ids, pos = input_ids, position_ids
+        if rows > q:
+            mask[:, :, q:, 0] = 0.0
+            ids = torch.cat([input_ids, input_ids.new_zeros(b, rows - q)], 1)
+            pos = torch.cat([position_ids, position_ids[:, :1].expand(b, rows - q)], 1)
+        cache.begin(rows)
+        step = self._static_step if pad is None else self.compiled
+        hidden, picked = step(ids, pos, mask, cache, tuple(layers))
+        cache.advance(q)
+        hidden, picked = hidden[:, :q], None if picked is None else picked[:, :q]
+        return TargetForward(logits=self.lm_head(hidden[:, logits_rows]).float(), hidden=hidden, layers=picked)
 
     def prefill(self, prompt: torch.Tensor, cache: Cache, layers: tuple[int, ...] = ()) -> TargetForward:
         """prompt [B, L] -> logits of the last position [B, 1, V]; hidden [B, L, H]."""

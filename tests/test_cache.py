@@ -84,7 +84,8 @@ def test_a_target_whose_layers_it_cannot_hold_is_refused_in_one_line():
 
 def test_make_limit_reports_the_baseline_against_the_bare_matmul_time(tiny_checkpoint, question_file, tmp_path):
     """specbench/limit.py on the tiny target: a bare-matmul time over its 6 x 7 + 1 weight matrices, and each cache's
-    baseline ms per token with its overhead share (measured, so only their signs and shapes are checked)."""
+    baseline ms per token with its overhead share, eager and compiled (measured, so only their signs and shapes are
+    checked)."""
     from hydra import compose, initialize_config_dir
 
     from specbench.config import register_schema
@@ -101,6 +102,7 @@ def test_make_limit_reports_the_baseline_against_the_bare_matmul_time(tiny_check
     assert r["weight_matrices"] == 6 * 7 + 1 and r["bare_ms_per_token"] > 0
     assert set(r["eager"]) == {"dynamic", "preallocated"}
     assert all(row["baseline_ms_per_token"] > 0 and row["overhead_share"] < 1 for row in r["eager"].values())
+    assert r["compiled"]["baseline_ms_per_token"] > 0 and r["compiled"]["overhead_share"] < 1  # model.compile's row
 
 
 def test_ragged_rows_write_behind_their_own_entries():

@@ -1,0 +1,70 @@
+"""model.compile (issue 30): the target's tree forwards through torch.compile over a static cache, trees padded to
+buckets. Every drafter config decodes its greedy output through it (with dynamo's aot_eager backend: the same graph
+capture, static shapes and guards as inductor, without its C++ build; one inductor case), nothing recompiles once the
+buckets are warm, and the static cache refuses what it cannot hold."""
+import pytest
+import torch
+
+from specbench.engine import Engine
+from specbench.errors import SpecbenchError
+from specbench.kvcache import StaticCache
+from specbench.run import Runner
+from specbench.target import TargetModel
+from specbench.types import SamplingParams
+from tests.helpers import hf_greedy, tiny_llama
+from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """One compiled target for the module: its graphs (one per tree bucket) are built once."""
+    return TargetModel(tiny_llama(seed=0, scale=20.0), None, torch.device("cpu"), "tiny", compile="aot_eager")
+
+
+@pytest.mark.parametrize("name", DRAFTER_CONFIGS)
+def test_every_drafter_decodes_its_greedy_output_compiled(compiled, name):
+    drafter = make_drafter(name, compiled)
+    for prompt in PROMPTS[:2]:
+        out = Engine(compiled, drafter, SamplingParams()).generate(prompt, 40)
+        assert out.new_tokens == hf_greedy(compiled.model, prompt, 40)
+    assert isinstance(compiled.new_cache(64), StaticCache)
+
+
+def test_nothing_recompiles_once_the_buckets_are_warm(compiled):
+    """A chain of sd's gamma tokens fills one bucket, the baseline another: after one generation each, other prompts
+    (the same cache block) decode without a recompile."""
+    engines = [Engine(compiled, make_drafter(n, compiled), SamplingParams()) for n in ("none", "sd")]
+    for engine in engines:
+        engine.generate(PROMPTS[0], 30)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for engine in engines:
+            for prompt in PROMPTS[1:]:
+                assert engine.generate(prompt, 30).new_tokens == hf_greedy(compiled.model, prompt, 30)
+
+
+def test_inductor_compiles_the_baseline():
+    """The default backend (inductor: generated C++ here, Triton and CUDA graphs on a GPU) on the baseline."""
+    target = TargetModel(tiny_llama(seed=1, layers=2, scale=20.0), None, torch.device("cpu"), "tiny", compile=True)
+    out = Engine(target, make_drafter("none", target), SamplingParams()).generate(PROMPTS[1], 12)
+    assert out.new_tokens == hf_greedy(target.model, PROMPTS[1], 12)
+
+
+def test_the_static_cache_refuses_what_it_cannot_hold():
+    cache = StaticCache(tiny_llama(layers=2).config, 8, torch.device("cpu"))
+    with pytest.raises(SpecbenchError, match="9 positions exceed the static cache's 8"):
+        cache.begin(9)
+    with pytest.raises(SpecbenchError, match="one row at a time"):
+        cache.layers[0].set_row_lengths([3, 4])
+
+
+def test_compile_with_batches_is_refused_in_one_line(make_cfg):
+    with pytest.raises(SpecbenchError, match="model.compile=true decodes one prompt at a time"):
+        Runner(make_cfg("drafter=none", "model.compile=true", "decoding.batch_size=2"))
