@@ -167,9 +167,10 @@ class StaticLayer(PreallocatedLayer):
     reads the host's length; the host length (what `keys` / `values` views, crop and compaction use) is advanced by
     TargetModel after the forward, for the rows that count (a padded tree's padding rows are written past it, stale)."""
 
-    def __init__(self, capacity: int, pos: torch.Tensor):
+    def __init__(self, capacity: int, pos: torch.Tensor, width: list[int]):
         super().__init__(capacity)
         self.pos = pos  # [] long, on the device
+        self.width = width  # [w]: the columns attention reads this forward (a context block), shared by the layers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -183,10 +184,11 @@ class StaticLayer(PreallocatedLayer):
         idx = torch.arange(key_states.shape[-2], device=key_states.device) + self.pos
         self._k.index_copy_(2, idx, key_states)
         self._v.index_copy_(2, idx, value_states)
-        return self._k, self._v
+        w = self.width[0]
+        return self._k[:, :, :w], self._v[:, :, :w]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.capacity, 0
+        return self.width[0], 0
 
     def set_row_lengths(self, lengths: list[int]) -> None:
         if len(set(lengths)) > 1:
@@ -203,15 +205,20 @@ class StaticCache(Cache):
         text = config.get_text_config(decoder=True)
         self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.capacity = capacity
-        super().__init__(layers=[StaticLayer(capacity, self.pos) for _ in range(text.num_hidden_layers)])
+        self.width = [capacity]
+        super().__init__(layers=[StaticLayer(capacity, self.pos, self.width) for _ in range(text.num_hidden_layers)])
 
-    def begin(self, rows: int) -> None:
+    def begin(self, rows: int, block: int | None = None) -> int:
         """Where the next forward writes its `rows` rows: behind the entries in use; past the capacity is refused (the
-        engine sizes the capacity to the run: prompt, new tokens and the largest padded tree)."""
+        engine sizes the capacity to the run: prompt, new tokens and the largest padded tree). Attention reads the
+        entries up to the end of their `block`-sized context block (all of the capacity without one): one graph per
+        block, not per length. Returns that width."""
         n = self.get_seq_length()
         if n + rows > self.capacity:
             raise SpecbenchError(f"model.compile: {n + rows} positions exceed the static cache's {self.capacity}")
         self.pos.fill_(n)
+        self.width[0] = self.capacity if block is None else min(self.capacity, block * -(-(n + rows) // block))
+        return self.width[0]
 
     def advance(self, rows: int) -> None:
         """The forward's first `rows` rows now count as cached."""

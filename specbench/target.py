@@ -18,7 +18,7 @@ from specbench.tree import additive, tree_attention_mask, tree_position_ids
 
 CACHES = ("dynamic", "preallocated")  # model.cache
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # model.compile: tree forwards padded to these row counts (one graph each)
-STATIC_BLOCK = 256  # model.compile: static caches come in multiples of this many positions (one graph set each)
+STATIC_BLOCK = 256  # model.compile: static caches, and the context attention reads, in blocks of this many positions
 
 
 @dataclass
@@ -58,8 +58,8 @@ class TargetModel:
                 raise SpecbenchError("model.compile runs the target on one device (not with model.device_map)")
             import torch._dynamo
 
-            # one graph per (tree bucket, cache block): more than dynamo's default of 8 before it gives up on a function
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # one graph per (tree bucket, context block): more than dynamo's default of 8 before it gives up on a function
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
             # compile=True: inductor (with CUDA graphs on CUDA); a string names another torch.compile backend (tests)
             backend = compile if isinstance(compile, str) else "inductor"
             cuda_graphs = backend == "inductor" and device.type == "cuda"
@@ -131,8 +131,9 @@ class TargetModel:
     def _forward_static(self, input_ids, cache: StaticCache, position_ids, attention_mask, logits_rows, layers):
         """forward() on model.compile's static cache. A tree forward (Q <= the largest bucket) is padded to the next
         bucket (padding rows: token 0 at the root's position, seeing the first cached entry; written past the length
-        that counts, so stale) and runs compiled; a prefill runs eagerly on the same buffers. The mask (causal when
-        None) is widened to the whole buffer: the columns not in use are hidden."""
+        that counts, so stale) and runs compiled; a prefill runs eagerly on the same buffers. Attention reads the cache
+        up to the end of the current STATIC_BLOCK-sized context block (one graph per bucket and block), the mask
+        (causal when None) widened to it: the columns not in use are hidden."""
         b, q = input_ids.shape
         n = cache.get_seq_length()
         if position_ids is None:
@@ -140,9 +141,9 @@ class TargetModel:
         if attention_mask is None:  # causal: the prefix and the rows up to itself
             allowed = torch.ones(q, n + q, dtype=torch.bool, device=input_ids.device).tril(n)
             attention_mask = additive(allowed[None, None].expand(b, 1, q, n + q), self.dtype)
-        width = cache.capacity
         pad = next((k for k in BUCKETS if k >= q), None) if n > 0 else None  # a prefill (n = 0) is not compiled
         rows = q if pad is None else pad
+        width = cache.begin(rows, STATIC_BLOCK)
         mask = attention_mask.new_full((b, 1, rows, width), torch.finfo(attention_mask.dtype).min)
         mask[:, :, :q, : n + q] = attention_mask
         ids, pos = input_ids, position_ids
@@ -150,7 +151,6 @@ class TargetModel:
             mask[:, :, q:, 0] = 0.0
             ids = torch.cat([input_ids, input_ids.new_zeros(b, rows - q)], 1)
             pos = torch.cat([position_ids, position_ids[:, :1].expand(b, rows - q)], 1)
-        cache.begin(rows)
         step = self._static_step if pad is None else self.compiled
         hidden, picked = step(ids, pos, mask, cache, tuple(layers))
         cache.advance(q)
