@@ -98,6 +98,14 @@ class BatchTable:
 
 
 @dataclass(frozen=True)
+class BaselinesTable:
+    """Every drafter against the eager baseline and against the compiled one (baselines_report, issue 30)."""
+
+    name: str
+    datasets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class BoardTable:
     """Spec-Bench's board (board_report): drafters x its six tasks in its own columns, with a published board beside."""
 
@@ -127,6 +135,8 @@ def experiment_report(exp: str) -> tuple[list, list[str]] | None:
             tables.append(VocabTable(t["name"], tuple(t["datasets"])))
         elif kind == "batch":
             tables.append(BatchTable(t["name"], tuple(t["datasets"])))
+        elif kind == "baselines":
+            tables.append(BaselinesTable(t["name"], tuple(t["datasets"])))
         elif kind == "board":
             tables.append(BoardTable(t["name"], tuple(t["columns"].items()), tuple(t["drafters"]), t.get("published"),
                                      tuple((t.get("ours") or {}).items())))
@@ -135,7 +145,8 @@ def experiment_report(exp: str) -> tuple[list, list[str]] | None:
                                 tuple(t["metrics"]), tuple(float(x) for x in t.get("temperatures", [0.0])),
                                 bool(t.get("mean", False)), t.get("paper_tree", "")))
         else:
-            raise ValueError(f"{path}: report table kind {kind!r} is not table, router, auto, vocab, batch or board")
+            raise ValueError(f"{path}: report table kind {kind!r} is not table, router, auto, vocab, batch, baselines or "
+                             f"board")
     return tables, list(node.get("figures", []))
 
 
@@ -659,6 +670,47 @@ def figure_batch(cells: dict, sizes: list[int], dataset: str | None, path: Path)
     save(fig, path)
 
 
+def compiled_key(summary: dict, head: dict) -> tuple:
+    """The two_baselines table's cell: (drafter, dataset, compiled or not)."""
+    return summary["drafter"], summary["dataset"], bool((head.get("model_identity") or {}).get("compile"))
+
+
+def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
+    """Each drafter's speedup against the eager baseline (the papers' comparison) and against the compiled one
+    (model.compile: a baseline with less overhead per step), τ of both runs side by side (the same tokens: τ should be
+    equal), and the share of the eager speedup that survives the compiled baseline. conf/experiment/two_baselines.yaml."""
+    by_setting = load_runs(exp_dir, compiled_key)
+    written = []
+    for setting, cells in sorted(by_setting.items()):
+        present = {k[1] for k in cells}
+        datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
+        drafters = sorted({k[0] for k in cells if k[0] != "none"})
+        head = ["method", "dataset", "τ eager", "τ compiled", "eager vs eager baseline", "compiled vs compiled baseline",
+                "eager vs compiled baseline", "speedup kept"]
+        rows = []
+        for ds in datasets:
+            base_e, base_c = cells.get(("none", ds, False)), cells.get(("none", ds, True))
+            rows.append(["none (tokens/s)", ds, "", "", cell(base_e, "speed"), cell(base_c, "speed"), "", ""])
+            for d in drafters:
+                e, c = cells.get((d, ds, False)), cells.get((d, ds, True))
+                cross = (value(e, "speed") / value(base_c, "speed")
+                         if value(e, "speed") and value(base_c, "speed") else None)
+                spu_c = value(c, "spu")
+                kept = spu_c / value(e, "spu") if spu_c and value(e, "spu") else None
+                rows.append([d, ds, cell(e, "tau"), cell(c, "tau"), cell(e, "spu"), cell(c, "spu"),
+                             MISSING if cross is None else f"{cross:.2f}x", MISSING if kept is None else f"{kept:.0%}"])
+        used = list(cells.values())
+        caption = (f"Every drafter against two baselines, T=0; {setting.describe()}: the eager one (the papers' "
+                   f"comparison, every other table's) and the compiled one (model.compile: the target's forwards "
+                   f"through torch.compile over a static cache, CUDA graphs on a GPU; the drafters stay eager). "
+                   f"'speedup kept': compiled-vs-compiled over eager-vs-eager. {provenance(used) if used else 'no runs'}.")
+        md = md_table(caption, head, rows)
+        path = exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md"
+        path.write_text("\n".join(md) + "\n")
+        written.append(path)
+    return written
+
+
 def question_speeds(run_dir: Path) -> tuple[list[float], list[int]]:
     """Spec-Bench's per-question speed (evaluation/speed.py: a question's new tokens over its wall time, its turns
     summed; each repeat a question of its own) and every step's accepted tokens (accepted + the bonus token)."""
@@ -794,6 +846,8 @@ def report(results: Path) -> list[Path]:
             written += tree_auto_report(exp_dir, table, "tree_size" in figures)
         for table in (t for t in tables if isinstance(t, VocabTable)):
             written += vocab_report(exp_dir, table)
+        for table in (t for t in tables if isinstance(t, BaselinesTable)):
+            written += baselines_report(exp_dir, table)
         for table in (t for t in tables if isinstance(t, BatchTable)):
             written += batch_report(exp_dir, table, "batch" in figures)
         for table in (t for t in tables if isinstance(t, BoardTable)):

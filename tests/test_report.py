@@ -213,3 +213,25 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     base = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in md.splitlines()
             if line.startswith("| mtbench")}
     assert base["mtbench: turns ≠ batch 1"] == ["0 / 4", "0 / 4 |"]
+
+
+def test_the_two_baselines_table(tmp_path, tiny_checkpoint):
+    """conf/experiment/two_baselines.yaml narrowed to pld, one question: eager and compiled runs each against their own
+    baseline, τ side by side (the same tokens), the cross ratio and the share of the speedup kept."""
+    args = [sys.executable, "-m", "specbench.run", "-m", "+experiment=two_baselines", "+preset=cpu",
+            f"model.path={tiny_checkpoint}", "model.name=tiny", "drafter=none,pld", "dataset.limit=1",
+            "decoding.max_new_tokens=8", "bench.warmup=1", f"out.root={tmp_path / 'results'}"]
+    res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    exp = tmp_path / "results" / "two_baselines"
+    assert len(list(exp.glob("*__none__*"))) == 2  # an eager and a compiled baseline
+    report(tmp_path / "results")
+    md = (exp / "baselines.tiny.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
+    pld = rows["pld"]
+    assert pld[2] == pld[3] and all(c.endswith("x") for c in pld[4:7]) and pld[7].endswith("% |")
+    assert rows["none (tokens/s)"][4] != "–" and rows["none (tokens/s)"][5] != "–"
+    for run in exp.glob("*__pld__*"):
+        recs = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
+        assert all(r["matches_baseline"] for r in recs)  # lossless against its own baseline, compiled or not
