@@ -74,35 +74,27 @@ def router_table(*datasets: str) -> Table:
 
 
 @dataclass(frozen=True)
-class AutoTable:
+class DatasetsTable:
+    """A report of its own kind over the experiment's runs on `datasets`, written as <name>.<model>.md."""
+
+    name: str
+    datasets: tuple[str, ...]
+
+
+class AutoTable(DatasetsTable):
     """Each drafter's paper-tree and tree=auto runs side by side (tree_auto_report)."""
 
-    name: str
-    datasets: tuple[str, ...]
 
-
-@dataclass(frozen=True)
-class VocabTable:
+class VocabTable(DatasetsTable):
     """The EAGLE family's draft-vocabulary pruning (module.draft_vocab) per drafter, tree and N (vocab_report)."""
 
-    name: str
-    datasets: tuple[str, ...]
 
-
-@dataclass(frozen=True)
-class BatchTable:
+class BatchTable(DatasetsTable):
     """Every drafter's speedup against batch size (batch_report), at its paper tree and at tree=auto per B."""
 
-    name: str
-    datasets: tuple[str, ...]
 
-
-@dataclass(frozen=True)
-class BaselinesTable:
+class BaselinesTable(DatasetsTable):
     """Every drafter against the eager baseline and against the compiled one (baselines_report, issue 30)."""
-
-    name: str
-    datasets: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -114,6 +106,9 @@ class BoardTable:
     drafters: tuple[str, ...]
     published: dict | None = None  # source, device, model, settings, rows {method: [6 speedups, accepted, overall]}
     ours: tuple[tuple[str, str], ...] = ()  # (published method, our drafter) where they are the same method
+
+
+DATASET_KINDS = {"auto": AutoTable, "vocab": VocabTable, "batch": BatchTable, "baselines": BaselinesTable}
 
 
 def experiment_report(exp: str) -> tuple[list, list[str]] | None:
@@ -129,14 +124,8 @@ def experiment_report(exp: str) -> tuple[list, list[str]] | None:
         kind = t.get("kind", "table")
         if kind == "router":
             tables.append(router_table(*t["datasets"]))
-        elif kind == "auto":
-            tables.append(AutoTable(t["name"], tuple(t["datasets"])))
-        elif kind == "vocab":
-            tables.append(VocabTable(t["name"], tuple(t["datasets"])))
-        elif kind == "batch":
-            tables.append(BatchTable(t["name"], tuple(t["datasets"])))
-        elif kind == "baselines":
-            tables.append(BaselinesTable(t["name"], tuple(t["datasets"])))
+        elif kind in DATASET_KINDS:
+            tables.append(DATASET_KINDS[kind](t["name"], tuple(t["datasets"])))
         elif kind == "board":
             tables.append(BoardTable(t["name"], tuple(t["columns"].items()), tuple(t["drafters"]), t.get("published"),
                                      tuple((t.get("ours") or {}).items())))
@@ -278,6 +267,12 @@ def mean_cell(summaries: list[dict | None], metric: str) -> str:
     """The paper's Mean/Average column: the plain mean over the datasets, missing unless every dataset has a value."""
     vs = [value(s, metric) for s in summaries]
     return MISSING if not vs or None in vs else METRICS[metric][2].format(sum(vs) / len(vs))
+
+
+def write_md(path: Path, lines: list[str]) -> Path:
+    """A report's markdown, one line per entry."""
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def md_table(caption: str, head: list[str], rows: list[list[str]]) -> list[str]:
@@ -514,9 +509,7 @@ def tree_auto_report(exp_dir: Path, table: "AutoTable", figure: bool) -> list[Pa
                    f"for the paper tree; measured: against the baseline of the same job; auto tree {mean_err}. "
                    f"{provenance(used) if used else 'no runs yet'}.")
         md = md_table(caption, head, rows)
-        path = exp_dir / f"{table.name}.{stem}.md"
-        path.write_text("\n".join(md) + "\n")
-        written.append(path)
+        written.append(write_md(exp_dir / f"{table.name}.{stem}.md", md))
         if figure:
             figure_tree_size(cells, exp_dir / f"tree_size.{stem}.png")
     return written
@@ -568,9 +561,7 @@ def vocab_report(exp_dir: Path, table: VocabTable) -> list[Path]:
                    f"Td / Tv: draft / verify ms per SD iteration; 'vs whole': against the same drafter and tree with "
                    f"the whole vocabulary. {provenance(used) if used else 'no runs yet'}.")
         md = md_table(caption, head, rows)
-        path = exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md"
-        path.write_text("\n".join(md) + "\n")
-        written.append(path)
+        written.append(write_md(exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md", md))
     return written
 
 
@@ -628,9 +619,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
             "The baseline per batch size: throughput, peak memory, and its turns whose output differs from its own "
             "batch-1 output (rounding of batched matmuls; each drafter is compared with the baseline at its own B).",
             base_head, base_rows)
-        path = exp_dir / f"{table.name}.{stem}.md"
-        path.write_text("\n".join(md) + "\n")
-        written.append(path)
+        written.append(write_md(exp_dir / f"{table.name}.{stem}.md", md))
         if figure:
             figure_batch(cells, sizes, datasets[0] if datasets else None, exp_dir / f"batch.{stem}.png")
     return written
@@ -705,9 +694,7 @@ def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
                    f"through torch.compile over a static cache, CUDA graphs on a GPU; the drafters stay eager). "
                    f"'speedup kept': compiled-vs-compiled over eager-vs-eager. {provenance(used) if used else 'no runs'}.")
         md = md_table(caption, head, rows)
-        path = exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md"
-        path.write_text("\n".join(md) + "\n")
-        written.append(path)
+        written.append(write_md(exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md", md))
     return written
 
 
@@ -766,9 +753,7 @@ def board_report(exp_dir: Path, table: BoardTable) -> list[Path]:
                 f"full question sets); shown for the ordering of the methods. Our drafter of the same method in "
                 f"brackets.", head, [[f"{m} ({ours[m]})" if m in ours else m, *map(str, vals)]
                                      for m, vals in pub["rows"].items()])
-        path = exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md"
-        path.write_text("\n".join(md) + "\n")
-        written.append(path)
+        written.append(write_md(exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md", md))
     return written
 
 

@@ -70,3 +70,15 @@ def make_cfg(tiny_checkpoint, question_file, tmp_path):
             return compose(config_name="config", overrides=base + list(overrides))
 
     return _make
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models are overhead-bound: one thread is faster and keeps the suite short."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+

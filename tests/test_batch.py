@@ -21,12 +21,7 @@ from tests.test_distribution import DRAFTERS, PROMPT, chi2_pvalue, exact_law, ta
 BUDGETS = [60, 23, 41]  # rows leave the batch at different steps
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("name", DRAFTER_CONFIGS)

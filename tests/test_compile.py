@@ -15,12 +15,7 @@ from tests.helpers import hf_greedy, tiny_llama
 from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -108,13 +108,7 @@ DRAFTERS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are overhead-bound: one thread is faster and keeps the suite short."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 T1 = SamplingParams(temperature=1.0)
