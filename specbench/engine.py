@@ -167,7 +167,8 @@ class Engine:
         sync(devs)
         t0 = time.perf_counter()
         # the positions this generation can reach: prompt, new tokens, and one tree past them before compaction
-        cache = target.new_cache(context or len(prompt_ids) + max_new_tokens + 256)
+        need = len(prompt_ids) + max_new_tokens + 256
+        cache = target.new_cache(min(need, context) if context else need)  # the context bounds it; it is not the need
         layers = tuple(drafter.hidden_layers) if LAYERS in drafter.needs else ()  # EAGLE-3's low/middle/high
         fwd = target.prefill(prompt, cache, layers=layers)
         first = self._first_token(fwd.logits[0, -1], generator)
@@ -273,7 +274,8 @@ class Engine:
         sync(devs)
         t0 = time.perf_counter()
         # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says
-        cache = PreallocatedCache(target.model.config, context or width + max(budgets) + 256)
+        need = width + max(budgets) + 256
+        cache = PreallocatedCache(target.model.config, min(need, context) if context else need)
         layers = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()
         # right-padded prompts under the causal mask: a real token never sees the padding after it
         ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [B, L]

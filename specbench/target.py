@@ -52,7 +52,7 @@ class TargetModel:
         # every device the model computes on (several under model.device_map): what timing syncs and memory reads
         self.devices: tuple[torch.device, ...] = tuple(sorted({p.device for p in model.parameters()}, key=str)) or (device,)
         self.compiled = None  # model.compile: the compiled tree forward (_static_step) and its static caches
-        self._static: dict[int, StaticCache] = {}
+        self._static: StaticCache | None = None  # the largest a generation asked for so far, reused
         if compile:
             if len(self.devices) > 1:
                 raise SpecbenchError("model.compile runs the target on one device (not with model.device_map)")
@@ -72,16 +72,16 @@ class TargetModel:
 
     def new_cache(self, capacity: int | None = None) -> Cache:
         """A fresh cache for one generation; `capacity`: the positions it will hold (a preallocated cache sizes its
-        buffers to it; it grows past it if it must). Compiled: the static cache of the capacity's block (its
-        positions rounded up to STATIC_BLOCK, room for a padded tree included), reused across generations, since the
-        compiled graphs are built on its buffers."""
+        buffers to it; it grows past it if it must). Compiled: one static cache, reused across generations since the
+        compiled graphs are built on its buffers, replaced by a larger one (positions rounded up to STATIC_BLOCK, room
+        for a padded tree included) only when a generation needs more; attention reads only the context block in use,
+        so a larger buffer costs memory, not time."""
         if self.compiled is not None:
-            block = STATIC_BLOCK * -(-((capacity or 1024) + max(BUCKETS)) // STATIC_BLOCK)
-            cache = self._static.get(block)
-            if cache is None:
-                cache = self._static[block] = StaticCache(self.model.config, block, self.device)
-            cache.reset()
-            return cache
+            need = (capacity or 1024) + max(BUCKETS)  # room for a padded tree
+            if self._static is None or self._static.capacity < need:  # (a new buffer: its graphs are built anew)
+                self._static = StaticCache(self.model.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device)
+            self._static.reset()
+            return self._static
         if self.cache == "preallocated":
             return PreallocatedCache(self.model.config, capacity or 1024)
         return DynamicCache(config=self.model.config)
