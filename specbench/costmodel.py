@@ -46,7 +46,8 @@ from specbench.drafter import Drafter, NoDrafter
 from specbench.engine import Engine, Generation, StepTrace, sync
 from specbench.errors import SpecbenchError
 from specbench.records import atomic_write_json
-from specbench.tree import ancestor_matrix, node_depths
+from specbench.kvcache import PreallocatedCache
+from specbench.tree import ancestor_matrix, batch_tree_mask, node_depths, tree_position_ids
 from specbench.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,9 @@ def predict(target: TargetCost, drafter: DrafterCost, depth: int, topk: int, nod
             trace: list[StepTrace], draft_scale: float = 1.0) -> Choice:
     """Predicted tokens/s of the tree cut at (depth, topk, nodes). At batch B (target.batch) the B rows' drafters
     propose one after another (Engine.generate_batch) and keep their own bookkeeping, while one forward verifies
-    B x (nodes + 1) tokens: the batch's throughput is B x T over that step time."""
+    B x (nodes + 1) tokens: the batch's throughput is B x T over that step time. (A model: it charges the batch-1
+    engine overhead B times, though its host read and mask are once per step, and it assumes every row takes the same
+    steps, where a real batch runs until its slowest row, shrinking as rows finish.)"""
     b = target.batch
     tau = predicted_tau(trace, depth, nodes, topk or None)
     draft = {(int(d), int(k)): t for d, k, t in drafter.draft}[(depth, topk)] * draft_scale
@@ -187,18 +190,25 @@ def base_nodes(base: dict) -> int:
 # ---- measuring -------------------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: int = 5, batch: int = 1) -> TargetCost:
-    """One target forward over `batch` rows of Q new tokens each, behind `context` cached ones, per Q in `sizes`."""
+    """One target forward over `batch` rows of Q new tokens each, behind `context` cached ones, per Q in `sizes`, on
+    the path the engine takes: the run's cache (model.cache; model.compile's static one) at batch 1, and at batch B
+    generate_batch's (a preallocated cache, a per-row 4D mask and positions, even for one token)."""
     dev = target.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (batch, context), generator=g).to(dev)
+    room = context + max(sizes)
+
+    def new_cache():
+        return target.new_cache(room) if batch == 1 else PreallocatedCache(target.model.config, room)
+
     prefills = []
     for _ in range(3):  # the prefill of a run's prompt
         sync(dev)
         t0 = time.perf_counter()
-        target.prefill(ids[:, :prompt], target.new_cache())
+        target.prefill(ids[:, :prompt], new_cache())
         sync(dev)
         prefills.append(time.perf_counter() - t0)
-    cache = target.new_cache()
+    cache = new_cache()
     target.prefill(ids, cache)
     seconds = []
     for q in sizes:
@@ -209,7 +219,13 @@ def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: in
         for r in range(repeats + 1):
             sync(dev)
             t0 = time.perf_counter()
-            target.verify(ids[:, -1:], tokens, anc, cache, causal=q == 1)
+            if batch == 1:
+                target.verify(ids[:, -1:], tokens, anc, cache, causal=q == 1)
+            else:  # as generate_batch: every row's mask and positions built per step, on the device
+                lengths = torch.full((batch,), context, device=dev)
+                mask = batch_tree_mask(anc[None].expand(batch, q, q), lengths, context + q, target.dtype)
+                pos = tree_position_ids(anc, context).expand(batch, q)
+                target.forward(torch.cat([ids[:, -1:], tokens], 1), cache, position_ids=pos, attention_mask=mask)
             sync(dev)
             times.append(time.perf_counter() - t0)
             cache.crop(context - cache.get_seq_length())  # transformers 5: a negative count
@@ -308,10 +324,13 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
     context = prompt + run_tokens // 2
     sizes = sorted({q for q in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96) if q <= base_nodes(base) + 1}
                    | {base_nodes(base) + 1})
+    # the target's path changes its costs: a cache or compile that is not the default, a batch, names its own files
+    path = {**({"cache": target.cache} if target.cache != "dynamic" else {}),
+            **({"compile": True} if target.compiled is not None else {}), **({"batch": batch} if batch > 1 else {})}
     tpath = cache_path(cache_root, target.device, model, target.dtype, "target",
-                       {"prompt": prompt, "context": context, "sizes": sizes, **({"batch": batch} if batch > 1 else {})})
+                       {"prompt": prompt, "context": context, "sizes": sizes, **path})
     tcost, tpath = cached(tpath, lambda: time_verify(target, prompt, context, sizes, batch=batch), TargetCost)
-    key = {**drafter_key, "base": base, "calibration": asdict(auto) | {"prompts": prompts}}
+    key = {**drafter_key, "base": base, "calibration": asdict(auto) | {"prompts": prompts}, **path}
     dpath = cache_path(cache_root, target.device, model, target.dtype, drafter_key.get("name", "drafter"), key)
     dcost, dpath = cached(dpath, lambda: calibrate_drafter(target, make_drafter, base, prompts, auto.new_tokens,
                                                           auto.topks), DrafterCost)

@@ -121,6 +121,20 @@ def _total_wall(records: list[dict]) -> float:
     return sum(r["wall_s"] for r in records if not r.get("batch")) + sum(batches.values())
 
 
+def _shared_total(records: list[dict], key: str) -> float:
+    """Seconds a batch's rows spent together (its prefill, its verification forwards) counted once per batch: the
+    longest of its rows' (the row that stayed longest took part in every step); a row of its own counts as it is.
+    Draft seconds are each row's own (the rows draft one after another) and are summed as they are."""
+    per_batch: dict[str, float] = {}
+    alone = 0.0
+    for r in records:
+        if r.get("batch"):
+            per_batch[r["batch"]["id"]] = max(per_batch.get(r["batch"]["id"], 0.0), r[key])
+        else:
+            alone += r[key]
+    return alone + sum(per_batch.values())
+
+
 def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any]:
     """Per-dataset means and std over repeats, and the SD metrics (see the module docstring)."""
     speed = per_repeat_speed(records)
@@ -143,11 +157,12 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         "alpha": [a / t if t else None for a, t in zip(accepts, trials)],
         "alpha_trials": trials,
         "draft_s": sum(r["draft_s"] for r in records),
-        "verify_s": sum(r["verify_s"] for r in records),
-        "prefill_s": sum(r["prefill_s"] for r in records),
-        "wall_s": sum(r["wall_s"] for r in records),
+        "verify_s": _shared_total(records, "verify_s"),
+        "prefill_s": _shared_total(records, "prefill_s"),
+        "wall_s": _total_wall(records),
         "draft_ms_per_step": 1e3 * sum(r["draft_s"] for r in records) / steps if steps else None,
-        "verify_ms_per_step": 1e3 * sum(r["verify_s"] for r in records) / steps if steps else None,
+        # (at batch B, per row-step: a batched forward's time shared by the rows it verified)
+        "verify_ms_per_step": 1e3 * _shared_total(records, "verify_s") / steps if steps else None,
         "mean_tree_size": drafted / steps if steps else None,
         "peak_mem_bytes": max((r["peak_mem_bytes"] or 0 for r in records), default=None),
     }
@@ -169,7 +184,8 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         out["lossless"]["not_compared_after_divergence"] = after
     classified = [r["divergence"]["kind"] for r in compared if r.get("divergence")]
     if classified:  # specbench/divergence.py: near-ties of the dtype's rounding vs mismatches
-        out["lossless"]["divergences"] = {k: classified.count(k) for k in ("near_tie", "mismatch")}
+        out["lossless"]["divergences"] = {k: classified.count(k) for k in ("near_tie", "mismatch", "unclassified")
+                                          if k != "unclassified" or k in classified}
     if baseline:
         b_speed = per_repeat_speed(baseline)
         b_mean = statistics.fmean(b_speed.values())
@@ -179,7 +195,7 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         b_steps = sum(r["steps"] for r in baseline)
         target_step_s = sum(r["verify_s"] for r in baseline) / b_steps if b_steps else None
         chain = all(r.get("chain", False) for r in records)
-        if chain and steps and drafted and target_step_s and trials and sum(trials):
+        if chain and steps and drafted and target_step_s and trials and sum(trials) and not sizes:  # (batch 1 only)
             a = sum(accepts) / sum(trials)
             g = drafted / steps
             c = (out["draft_s"] / drafted) / target_step_s

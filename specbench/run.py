@@ -351,9 +351,7 @@ class Runner:
                 engine.generate(ids, min(self.budget(len(ids)), 32), rng, context)
             else:
                 engine.generate_batch([ids] * size, min(self.budget(len(ids)), 32), [rng] * size, context)
-        # B questions of one repeat decoded together, turn by turn (a later turn's prompt holds the earlier answer)
-        groups = [todo[i : i + size] for i in range(0, len(todo), size)] if size > 1 else [[x] for x in todo]
-        groups = [g for chunk in groups for g in _split_repeats(chunk)]
+        groups = batches(todo, self.questions, size)
         total = sum(len(q.turns) for _, q in todo)
         with tqdm(total=total, desc=f"{label} {self.dataset_cfg.name}", unit="turn", dynamic_ncols=True) as bar:
             for group in groups:
@@ -398,8 +396,8 @@ class Runner:
     def _turn_record(self, q: Question, turn: int, repeat: int, g: Generation, mem: dict, ids: list[int], budget: int,
                      reference: dict, engine: Engine, context: int | None, diverged: bool) -> dict:
         """One turn's record: compared with the baseline's output unless an earlier turn of the question left it (this
-        turn's prompt then holds other words); a divergence classified as a near-tie or a mismatch, by replays at
-        batch 1 (specbench/divergence.py)."""
+        turn's prompt then holds other words); a divergence classified as a near-tie or a mismatch by replays at
+        batch 1 (specbench/divergence.py), or left unclassified when the turn was decoded in a batch."""
         if budget < self.decoding.max_new_tokens and g.stopped_by == "max_new_tokens":
             g.stopped_by = "context"
         ref = None if diverged else reference.get((q.question_id, turn))
@@ -407,7 +405,11 @@ class Runner:
         if diverged:
             row["after_divergence"] = True
         j = row["first_divergence"]
-        if j is not None and j < min(len(ref), len(g.new_tokens)):  # not one output a prefix of the other
+        if j is not None and j < min(len(ref), len(g.new_tokens)) and self.decoding.batch_size > 1:
+            # a batch-1 replay does not reproduce a batched forward's rounding: a near-tie would read as a mismatch
+            row["divergence"] = {"position": j, "kind": "unclassified",
+                                 "why": f"decoded at batch {self.decoding.batch_size}; replays are at batch 1"}
+        elif j is not None and j < min(len(ref), len(g.new_tokens)):  # not one output a prefix of the other
             replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
             row["divergence"] = {"position": j, **divergence.classify(
                 replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)}
@@ -429,15 +431,15 @@ class Runner:
         }
 
 
-def _split_repeats(chunk: list[tuple[int, Question]]) -> list[list[tuple[int, Question]]]:
-    """A batch holds questions of one repeat (a repeat's questions are consecutive in `todo`)."""
-    out: list[list[tuple[int, Question]]] = []
-    for item in chunk:
-        if out and out[-1][0][0] == item[0]:
-            out[-1].append(item)
-        else:
-            out.append([item])
-    return out
+def batches(todo: list[tuple[int, Question]], questions: list[Question], size: int) -> list[list[tuple[int, Question]]]:
+    """The (repeat, question) pairs still to decode, grouped into batches decoded together, turn by turn (a later
+    turn's prompt holds that question's earlier answer): question i of the set is in batch i // size of its repeat,
+    whatever is left to do, so a resumed run and its baseline batch the same questions together in every repeat."""
+    index = {q.question_id: i for i, q in enumerate(questions)}
+    groups: dict[tuple[int, int], list[tuple[int, Question]]] = {}
+    for repeat, q in todo:
+        groups.setdefault((repeat, index[q.question_id] // size), []).append((repeat, q))
+    return [groups[k] for k in sorted(groups)]
 
 
 def _headline(s: dict) -> str:

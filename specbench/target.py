@@ -60,6 +60,7 @@ class TargetModel:
 
             # one graph per (tree bucket, context block): more than dynamo's default of 8 before it gives up on a function
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+            torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
             # compile=True: inductor (with CUDA graphs on CUDA); a string names another torch.compile backend (tests)
             backend = compile if isinstance(compile, str) else "inductor"
             cuda_graphs = backend == "inductor" and device.type == "cuda"

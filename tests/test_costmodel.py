@@ -177,3 +177,18 @@ def test_tree_auto_tunes_drafters_without_a_dynamic_policy(make_cfg, tmp_path, d
     if drafter == "eagle":  # tree=paper is EAGLE-1's static list: the same run as naming it
         static_cfg = make_cfg(*[c for c in common if not c.startswith("tree.")], "tree=static")
         assert paper.run_dir_for(paper_cfg.drafter)[0].path == Runner(static_cfg).run_dir_for(static_cfg.drafter)[0].path
+
+
+def test_the_verify_cost_is_timed_on_the_engines_path():
+    """At batch B the forwards go through generate_batch's preallocated cache and per-row masks; compiled, through the
+    static cache, with room for the run's context (past its first 1,024 positions too) and the largest bucket."""
+    from specbench.costmodel import time_verify
+    from specbench.target import TargetModel
+    from tests.helpers import tiny_llama
+
+    eager = TargetModel(tiny_llama(layers=2), None, torch.device("cpu"), "tiny")
+    at2 = time_verify(eager, 8, 12, [1, 4], repeats=1, batch=2)
+    assert at2.batch == 2 and all(t > 0 for t in at2.seconds)
+    compiled = TargetModel(tiny_llama(layers=2), None, torch.device("cpu"), "tiny", compile="aot_eager")
+    long = time_verify(compiled, 8, 1100, [1, 40], repeats=1)
+    assert all(t > 0 for t in long.seconds)

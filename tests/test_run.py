@@ -354,9 +354,26 @@ def test_a_batched_run_is_lossless_per_row_against_its_batched_baseline(make_cfg
     assert {r["batch"]["size"] for r in recs} == {1, 2}
     pair = [r for r in recs if r["turn"] == 0 and r["question_id"] in ("1", "2")]
     assert pair[0]["batch"] == pair[1]["batch"]  # decoded together, one clock
+    clocks = {r["batch"]["id"]: r["batch"]["wall_s"] for r in recs}
+    assert summary["wall_s"] == pytest.approx(sum(clocks.values()))  # each batch's time once, not once per row
     base_b = read_jsonl(run.path.parent / summary["baseline_run"] / "records.jsonl")
     base_1 = read_jsonl(Runner(make_cfg("drafter=none")).execute().records_path)
     one = {(r["question_id"], r["turn"]): r["new_token_ids"] for r in base_1}
     assert all(one[(r["question_id"], r["turn"])] == r["new_token_ids"] for r in base_b)
     assert len(list(run.path.parent.glob("*__none__*"))) == 2  # batch 1 and batch 2: two baselines
 
+
+
+def test_batches_depend_only_on_the_repeat_and_the_question():
+    """Question i is in batch i // B of its repeat, whatever a resume left to do: 5 questions at B = 2 make batches
+    {0, 1}, {2, 3}, {4} in every repeat, and a resume that finished question 0 and 3 keeps 1 and 2 apart."""
+    from specbench.data import Question
+    from specbench.run import batches
+
+    qs = [Question(question_id=str(i), category="c", turns=["t"]) for i in range(5)]
+    todo = [(r, q) for r in range(2) for q in qs]
+    ids = [[(r, q.question_id) for r, q in g] for g in batches(todo, qs, 2)]
+    assert ids[:3] == [[(0, "0"), (0, "1")], [(0, "2"), (0, "3")], [(0, "4")]] and len(ids) == 6
+    left = [(r, q) for r, q in todo if not (r == 0 and q.question_id in ("0", "3"))]
+    assert [[q.question_id for _, q in g] for g in batches(left, qs, 2)][:3] == [["1"], ["2"], ["4"]]
+    assert [len(g) for g in batches(todo, qs, 1)] == [1] * 10  # batch 1: one question at a time, in order
