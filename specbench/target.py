@@ -14,7 +14,7 @@ from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokeniz
 from specbench.errors import SpecbenchError
 from specbench.kvcache import PreallocatedCache, StaticCache
 
-from specbench.tree import additive, tree_attention_mask, tree_position_ids
+from specbench.tree import tree_attention_mask, tree_position_ids
 
 CACHES = ("dynamic", "preallocated")  # model.cache
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # model.compile: tree forwards padded to these row counts (one graph each)
@@ -139,9 +139,9 @@ class TargetModel:
         n = cache.get_seq_length()
         if position_ids is None:
             position_ids = torch.arange(n, n + q, device=input_ids.device)[None].expand(b, -1)
-        if attention_mask is None:  # causal: the prefix and the rows up to itself
-            allowed = torch.ones(q, n + q, dtype=torch.bool, device=input_ids.device).tril(n)
-            attention_mask = additive(allowed[None, None].expand(b, 1, q, n + q), self.dtype)
+        if attention_mask is None:  # causal: the prefix and the rows up to itself (a chain's tree mask)
+            chain = torch.ones(q, q, dtype=torch.bool, device=input_ids.device).tril()
+            attention_mask = tree_attention_mask(chain, n, self.dtype)
         pad = next((k for k in BUCKETS if k >= q), None) if n > 0 else None  # a prefill (n = 0) is not compiled
         rows = q if pad is None else pad
         width = cache.begin(rows, STATIC_BLOCK)
