@@ -102,7 +102,8 @@ class BeagleDrafter(TrainableDrafter):
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.concat = concat
-        self.k = self.v = None  # [1, nkv, L, dh]: true states, then (while drafting) predicted ones
+        self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
+        self.kv = None  # K, V [1, nkv, L, dh]: true states, then (while drafting) predicted ones
         self.verified = 0
         self.pending: torch.Tensor | None = None  # true states not yet in the cache [1, n, H]
 
@@ -181,14 +182,13 @@ class BeagleDrafter(TrainableDrafter):
 
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
-        self.k = self.v = None
+        self.kv = self.new_kv(state.tokens.shape[1] + 1024)
         self.verified = 0
         self.pending = state.hidden  # true states of positions 0 .. L-1; the root t_L has none yet
 
     def _append(self, states: torch.Tensor, pos: torch.Tensor) -> None:
         k, v = self.block.keys(states.to(self.block.q_proj.weight.dtype), pos)
-        self.k = k if self.k is None else torch.cat([self.k, k], 2)
-        self.v = v if self.v is None else torch.cat([self.v, v], 2)
+        self.kv.update(k, v)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h.to(self.lm_head.weight.dtype))
@@ -207,7 +207,7 @@ class BeagleDrafter(TrainableDrafter):
             seen [R, S] -> predicted states [R, H] (appended to the cache in "concate" mode)."""
             allowed = visible(seen, self.verified)  # [1, 1, R, K]
             p = torch.full((1, tokens.shape[0]), root_pos + depth, device=self.device)
-            h = self.block(self.embed(tokens[None]).to(self.block.q_proj.weight.dtype), p, allowed, kv=(self.k, self.v))
+            h = self.block(self.embed(tokens[None]).to(self.block.q_proj.weight.dtype), p, allowed, kv=(self.kv.keys, self.kv.values))
             if self.concat:
                 self._append(h, p)
             return h[0]
@@ -224,7 +224,7 @@ class BeagleDrafter(TrainableDrafter):
             return self._logits(h)
 
         grown = self.policy.grow(self._logits(h_root[0]), expand)
-        self.k, self.v = self.k[:, :, : self.verified], self.v[:, :, : self.verified]  # drop drafted states
+        self.kv.crop(self.verified - self.kv.get_seq_length())  # drop drafted states
         return grown.draft()
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:

@@ -42,6 +42,7 @@ from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
+from specbench.compiled import decode
 from specbench.errors import SpecbenchError
 from specbench.tree import tree_attention_mask
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -66,8 +67,8 @@ class EagleHead(nn.Module):
         """emb, feat [B, Q, H] -> predicted next features [B, Q, H]; with route=True also the router's group logits
         [B, Q, N]."""
         x = self.fc(torch.cat([emb, feat], dim=-1))
-        out = self.body(inputs_embeds=x, past_key_values=cache, position_ids=position_ids,
-                        attention_mask=attention_mask, use_cache=cache is not None).last_hidden_state
+        # (on model.compile's static cache, the compiled body: specbench/compiled.py)
+        out = decode(self.body, cache, inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask)
         return (out, self.router(out)) if route else out
 
 
@@ -221,7 +222,7 @@ class EagleDrafter(TrainableDrafter):
 
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
-        self.cache = self.target.drafter_cache(self.head.body.config, state.tokens.shape[1] + 1024)
+        self.cache = self.target.drafter_cache(self.head.body.config, state.tokens.shape[1] + 1024, self.head.body)
         self.verified = 0
         self.pending = (state.hidden, state.tokens[:, 1:])  # pairs (f_i, t_{i+1}), i = 0 .. L-1
 

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from safetensors.torch import save_file
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.trees import GrowingTree, Level, make_tree
@@ -151,14 +152,14 @@ class Eagle3Head(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))
         return full.index_copy_(-1, self.draft_ids, logits)
 
-    def step(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor,
-             past: tuple[torch.Tensor, torch.Tensor] | None, allowed: torch.Tensor):
-        """Decoding: rows (emb, h) [1, Q, H] at pos [1, Q] over cached keys past (K, V [1, nkv, S, dh]) and their own;
-        allowed [1, 1, Q, S+Q] bool -> (outputs [1, Q, H], K, V of the rows)."""
+    def step(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, past: CacheLayerMixin,
+             allowed: torch.Tensor) -> torch.Tensor:
+        """Decoding: rows (emb, h) [1, Q, H] at pos [1, Q] over the cached keys of `past` (S entries) and their own,
+        which are appended to it; allowed [1, 1, Q, S+Q] bool -> outputs [1, Q, H]."""
         q, k, v = self.midlayer.qkv(emb, h, pos)
-        keys, vals = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        keys, vals = past.update(k, v)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
-        return self.midlayer.finish(o, h), k, v
+        return self.midlayer.finish(o, h)
 
     def ttt(self, embed: nn.Module, ids: torch.Tensor, feats: torch.Tensor, real: torch.Tensor, steps: int):
         """The training-time test: ids [B, T] (x), feats [B, n, 3H] fused-layer inputs of positions 0..n-1 (n = T-1),
@@ -346,7 +347,7 @@ class Eagle3Drafter(TrainableDrafter):
         self.hidden_layers = self.head.layers
         self.target, self.embed, self.device = target, target.decoder.embed_tokens, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
-        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # the head's K, V over verified pairs
+        self.past: CacheLayerMixin | None = None  # the head's K, V over verified pairs (prefill makes it)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (fused features [1,n,3H], next tokens [1,n])
 
     def save_for_serving(self, out: Path, fmt: str, verifier: str) -> Path:
@@ -421,52 +422,50 @@ class Eagle3Drafter(TrainableDrafter):
         embed, out = target.decoder.embed_tokens, []
         for t in positions:
             causal = torch.ones(1, 1, t, t, dtype=torch.bool, device=hidden.device).tril()
-            h, k, v = module.step(embed(input_ids[None, 1 : t + 1]), module.fc(hidden[None, :t]),
-                                  torch.arange(t, device=hidden.device)[None], None, causal)
-            row, past, f = [], (k, v), h[:, -1:]
+            past = DynamicLayer()
+            h = module.step(embed(input_ids[None, 1 : t + 1]), module.fc(hidden[None, :t]),
+                            torch.arange(t, device=hidden.device)[None], past, causal)
+            row, f = [], h[:, -1:]
             for d in range(depth):
                 x = module.target_logits(f).argmax(-1)  # [1, 1] a target id
                 row.append(x[0, 0])
-                allowed = torch.ones(1, 1, 1, past[0].shape[2] + 1, dtype=torch.bool, device=f.device)
-                f, k, v = module.step(embed(x), f, torch.tensor([[t + d]], device=f.device), past, allowed)
-                past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+                allowed = torch.ones(1, 1, 1, past.get_seq_length() + 1, dtype=torch.bool, device=f.device)
+                f = module.step(embed(x), f, torch.tensor([[t + d]], device=f.device), past, allowed)
             out.append(torch.stack(row))
         return torch.stack(out)
 
     # ---- decoding -------------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
-        self.past = None
+        # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer)
+        self.past = self.target.drafter_kv(state.tokens.shape[1] + 1024)
         self.pending = (state.layers, state.tokens[:, 1:])  # pairs (features_i, t_{i+1}), i = 0 .. L-1
 
     @torch.inference_mode()
     def propose(self, state: TargetState) -> DraftTree:
         feats, toks = self.pending
         n = toks.shape[1]
-        verified = 0 if self.past is None else self.past[0].shape[2]
+        verified = self.past.get_seq_length()
         pos = torch.arange(verified, verified + n, device=self.device)[None]
         causal = visible(torch.ones(n, n, dtype=torch.bool, device=self.device).tril(), verified)
-        h, k, v = self.head.step(self.embed(toks), self.head.fc(feats.to(self.head.fc.weight.dtype)), pos,
-                                 self.past, causal)
-        self.past = (k, v) if self.past is None else (torch.cat([self.past[0], k], 2), torch.cat([self.past[1], v], 2))
+        h = self.head.step(self.embed(toks), self.head.fc(feats.to(self.head.fc.weight.dtype)), pos, self.past, causal)
         verified += n
         root_h = h[0, -1]
         book = GrowingTree(self.policy.max_nodes, self.device)
         hs = root_h.new_empty(self.policy.max_nodes + 1, root_h.shape[-1])  # [1 + nodes, H] row v+1: node v's h
         hs[0] = root_h
-        drafted: list[tuple[torch.Tensor, torch.Tensor]] = []  # the tree's own K, V, appended level by level
 
         def expand(level: Level) -> torch.Tensor:
             h_in = hs[level.parents + 1][None]  # [1, n, H] a node's input: its parent's output and its token
             seen = book.add(level.nodes, level.parents)
             pos = torch.full((1, level.nodes.shape[0]), verified + level.depth - 1, device=self.device)
-            past = (torch.cat([self.past[0], *[k for k, _ in drafted]], 2),
-                    torch.cat([self.past[1], *[v for _, v in drafted]], 2))
-            out, k, v = self.head.step(self.embed(level.tokens[None]), h_in, pos, past, visible(seen, verified))
-            drafted.append((k, v))
+            # the level's K, V appended behind the verified pairs and the earlier levels
+            out = self.head.step(self.embed(level.tokens[None]), h_in, pos, self.past, visible(seen, verified))
             hs[level.nodes + 1] = out[0]
             return self.head.target_logits(out[0])
 
-        return self.policy.grow(self.head.target_logits(root_h), expand).draft()
+        grown = self.policy.grow(self.head.target_logits(root_h), expand)
+        self.past.crop(verified - self.past.get_seq_length())  # drop drafted entries
+        return grown.draft()
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         n = state.layers.shape[1]  # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)

@@ -54,7 +54,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specbench.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
@@ -206,7 +207,7 @@ class MoAModule(nn.Module):
         return self.Ekv2E(x.mean(1))
 
     def sa(self, emb: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-           cache: DynamicCache | None = None) -> torch.Tensor:
+           cache: Cache | None = None) -> torch.Tensor:
         """SA layer: emb [B, Q, E] at pos [B, Q], additive mask [B|1, 1, Q, K] -> [B, Q, E] (appended to `cache`)."""
         return self.self_attention(emb, attention_mask=mask, position_ids=pos, past_key_values=cache,
                                    use_cache=cache is not None, position_embeddings=self.sa_rotary(emb, pos))
@@ -242,14 +243,15 @@ class MoADrafter(TrainableDrafter):
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.final_norm, self.rotary = target.decoder.norm, target.decoder.rotary_emb
         self.tli_layers = list(target.decoder.layers[len(target.decoder.layers) - self.net.tli :])  # frozen, shared
+        self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
         self.reset()
 
     def reset(self) -> None:
-        self.ca_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # CA keys/values of verified activations
+        self.ca_kv: CacheLayerMixin | None = None  # CA keys/values of verified activations
         self.acts = 0  # verified tokens whose activations are in ca_kv (and in the TLI caches)
-        self.sa_cache: DynamicCache | None = None
+        self.sa_cache: Cache | None = None
         self.sa_len = 0
-        self.tli_kv: list[list[torch.Tensor]] = []  # per TLI layer [K, V] [1, nkv, n, dh]
+        self.tli_kv: list[CacheLayerMixin] = []  # per TLI layer: K, V [1, nkv, n, dh]
 
     # ---- weights -------------------------------------------------------------------------------------------------
     @classmethod
@@ -369,7 +371,10 @@ class MoADrafter(TrainableDrafter):
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState | None) -> None:
         self.reset()
-        self.sa_cache = DynamicCache()
+        size = (0 if state is None else state.tokens.shape[1]) + 1024
+        self.ca_kv = self.new_kv(size)
+        self.sa_cache = Cache(layers=[self.new_kv(size)])  # the SA layer is layer 0
+        self.tli_kv = [self.new_kv(size) for _ in range(self.net.tli)]
 
     def _wdt(self) -> torch.dtype:
         return self.net.Ekv2E.weight.dtype
@@ -384,15 +389,11 @@ class MoADrafter(TrainableDrafter):
         acts = self.net.lsa(torch.stack(per_layer, 1).to(self._wdt()))[None]  # [1, m, E]
         pos = torch.arange(self.acts, n, device=self.device)[None]
         k, v = self.net.cross_attention.keys(acts, pos)
-        self.ca_kv = (k, v) if self.ca_kv is None else (torch.cat([self.ca_kv[0], k], 2), torch.cat([self.ca_kv[1], v], 2))
+        self.ca_kv.update(k, v)
         first = len(state.kv) - self.net.tli
-        for i in range(self.net.tli):
+        for i, cached in enumerate(self.tli_kv):
             k, v = state.kv[first + i]
-            if len(self.tli_kv) <= i:
-                self.tli_kv.append([k[:, :, :n].clone(), v[:, :, :n].clone()])
-            else:
-                self.tli_kv[i] = [torch.cat([self.tli_kv[i][0], k[:, :, new]], 2),
-                                  torch.cat([self.tli_kv[i][1], v[:, :, new]], 2)]
+            cached.update(k[:, :, new], v[:, :, new])
         self.acts = n
 
     def _rows(self, tokens: torch.Tensor, pos: int, sa_seen: torch.Tensor, tli_seen: torch.Tensor) -> torch.Tensor:
@@ -405,13 +406,14 @@ class MoADrafter(TrainableDrafter):
         q = self.net.sa(self.embed(tokens[None]).to(wdt), p, tree_attention_mask(sa_seen, self.sa_len, wdt),
                         self.sa_cache)
         ca_allowed = visible(torch.zeros(r, 0, dtype=torch.bool, device=self.device), self.acts)  # every activation
-        x = self.net.cross_attention(q, p, ca_allowed, self.ca_kv)
+        x = self.net.cross_attention(q, p, ca_allowed, (self.ca_kv.keys, self.ca_kv.values))
         if self.net.tli:
             allowed = visible(tli_seen, self.acts)  # [1, 1, R, acts + S']
             for i, layer in enumerate(self.tli_layers):
-                kc, vc = self.tli_kv[i]
+                cached = self.tli_kv[i]
+                kc, vc = cached.keys, cached.values
                 x, k, v = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, allowed)
-                self.tli_kv[i] = [torch.cat([kc, k], 2), torch.cat([vc, v], 2)]
+                cached.update(k, v)
             x = self.final_norm(x)
         return self.lm_head(x.to(self.lm_head.weight.dtype))[0]
 
@@ -428,7 +430,7 @@ class MoADrafter(TrainableDrafter):
                         tree_attention_mask(seen, self.sa_len, wdt), self.sa_cache)
             self.sa_len = n - 1
         # the root's TLI slot; in validation chains earlier drafted tokens stay in the TLI caches and are seen too
-        own = (self.tli_kv[0][0].shape[2] if self.net.tli else self.acts) + 1 - self.acts
+        own = (self.tli_kv[0].get_seq_length() if self.net.tli else self.acts) + 1 - self.acts
         ones = lambda k: torch.ones(1, k, dtype=torch.bool, device=self.device)  # noqa: E731
         logits = self._rows(toks[0, -1:], n - 1, ones(1), ones(own))[0]
         self.sa_len = n  # the root is a verified token: its SA entry stays
@@ -439,7 +441,8 @@ class MoADrafter(TrainableDrafter):
         extra = self.sa_cache.get_seq_length() - self.sa_len
         if extra > 0:
             self.sa_cache.crop(-extra)
-        self.tli_kv = [[k[:, :, : self.acts], v[:, :, : self.acts]] for k, v in self.tli_kv]
+        for cached in self.tli_kv:
+            cached.crop(self.acts - cached.get_seq_length())
 
     @torch.inference_mode()
     def propose(self, state: TargetState) -> DraftTree:

@@ -27,7 +27,9 @@ from specbench.drafter import OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import kl, teacher_probs, top1
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.checkpoints import resolve
+from specbench.compiled import decode
 from specbench.errors import SpecbenchError
+from specbench.kvcache import StaticCache
 from specbench.sampling import logits_to_probs, sample
 from specbench.tree import tree_attention_mask
 from specbench.types import DraftTree, TargetState, VerifyResult
@@ -187,14 +189,26 @@ class IndependentDrafter(TrainableDrafter):
 
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
-        self.cache = self.new_cache(self.model.config, state.tokens.shape[1] + 1024)
+        cfg = self.model.config
+        # model.compile compiles the draft model's decoder (its LM head applied after it, eagerly): a model whose
+        # logits are more than LM-head(hidden) (a logit scale or soft-cap) keeps its own forward
+        plain = not any(getattr(cfg, k, None) for k in ("logit_scale", "logits_scaling", "final_logit_softcapping"))
+        self.cache = self.new_cache(cfg, state.tokens.shape[1] + 1024, self.model.get_decoder() if plain else None)
         self.cached = 0
+
+    def _logits(self, ids: torch.Tensor, last: bool, **kw) -> torch.Tensor:
+        """The draft model on ids [1, Q] over its cache -> logits [1, Q, V'] (last: [1, 1, V'], the last row's)."""
+        if isinstance(self.cache, StaticCache):  # model.compile: the compiled decoder (specbench/compiled.py)
+            hidden = decode(self.model.get_decoder(), self.cache, input_ids=ids, **kw)
+            return self.model.get_output_embeddings()(hidden[:, -1:] if last else hidden)
+        return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=int(last),
+                          **kw).logits
 
     @torch.inference_mode()
     def _next_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        logits = self._logits(ids, last=True)
         self.cached += ids.shape[1]
-        return fit_vocab(out.logits[:, -1], self.vocab)  # [B, V] on the target's rows
+        return fit_vocab(logits[:, -1], self.vocab)  # [B, V] on the target's rows
 
     def propose(self, state: TargetState) -> DraftTree:
         logits = self._next_logits(state.tokens[:, self.cached :])
@@ -226,8 +240,7 @@ class IndependentDrafter(TrainableDrafter):
             seen = book.add(level.nodes, level.parents)
             pos = torch.full((1, level.nodes.shape[0]), verified - 1 + level.depth, device=root_logits.device)
             mask = tree_attention_mask(seen, verified, dtype)  # root at verified-1
-            logits = self.model(input_ids=level.tokens[None], past_key_values=self.cache,
-                                position_ids=pos, attention_mask=mask, use_cache=True).logits[0]
+            logits = self._logits(level.tokens[None], last=False, position_ids=pos, attention_mask=mask)[0]
             return fit_vocab(logits, self.vocab)  # [n, V] on the target's rows
 
         grown = self.policy.grow(root_logits, expand)

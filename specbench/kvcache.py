@@ -197,15 +197,17 @@ class StaticLayer(PreallocatedLayer):
 
 
 class StaticCache(Cache):
-    """model.compile's target cache: StaticLayer buffers of `capacity` positions for every decoder layer of `config`,
-    kept by TargetModel and reused across generations (the compiled graphs hold on to them)."""
+    """model.compile's cache: StaticLayer buffers of `capacity` positions for every decoder layer of `config`, kept by
+    the compiled decoder that runs on it (`runner`, specbench/compiled.py: the target's or a drafter's) and reused
+    across generations (its graphs hold on to them)."""
 
-    def __init__(self, config, capacity: int, device: torch.device):
+    def __init__(self, config, capacity: int, device: torch.device, runner=None):
         PreallocatedCache(config, 1)  # the same refusal of sliding-window layers
         text = config.get_text_config(decoder=True)
         self.pos = torch.zeros((), dtype=torch.long, device=device)
         self.capacity = capacity
         self.width = [capacity]
+        self.runner = runner  # the CompiledDecoder whose graphs are built on these buffers
         super().__init__(layers=[StaticLayer(capacity, self.pos, self.width) for _ in range(text.num_hidden_layers)])
 
     def begin(self, rows: int, block: int | None = None) -> int:

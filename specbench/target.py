@@ -9,16 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
+from specbench.compiled import CompiledDecoder, CompiledDecoders
 from specbench.errors import SpecbenchError
-from specbench.kvcache import PreallocatedCache, StaticCache
+from specbench.kvcache import PreallocatedCache, PreallocatedLayer, StaticCache
 
 from specbench.tree import tree_attention_mask, tree_position_ids
 
 CACHES = ("dynamic", "preallocated")  # model.cache
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # model.compile: tree forwards padded to these row counts (one graph each)
-STATIC_BLOCK = 256  # model.compile: static caches, and the context attention reads, in blocks of this many positions
 
 
 @dataclass
@@ -51,21 +52,13 @@ class TargetModel:
         self.eos_token_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         # every device the model computes on (several under model.device_map): what timing syncs and memory reads
         self.devices: tuple[torch.device, ...] = tuple(sorted({p.device for p in model.parameters()}, key=str)) or (device,)
-        self.compiled = None  # model.compile: the compiled tree forward (_static_step) and its static caches
-        self._static: StaticCache | None = None  # the largest a generation asked for so far, reused
+        self.compiled: CompiledDecoder | None = None  # model.compile: the target's decoder compiled, its static cache
+        self.drafter_decoders: CompiledDecoders | None = None  # and the drafters' own decoders (EAGLE's head, sd's model)
         if compile:
             if len(self.devices) > 1:
                 raise SpecbenchError("model.compile runs the target on one device (not with model.device_map)")
-            import torch._dynamo
-
-            # one graph per (tree bucket, context block): more than dynamo's default of 8 before it gives up on a function
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-            torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
-            # compile=True: inductor (with CUDA graphs on CUDA); a string names another torch.compile backend (tests)
-            backend = compile if isinstance(compile, str) else "inductor"
-            cuda_graphs = backend == "inductor" and device.type == "cuda"
-            self.compiled = torch.compile(self._static_step, dynamic=False, backend=backend,
-                                          mode="reduce-overhead" if cuda_graphs else None)
+            self.compiled = CompiledDecoder(self.decoder, cfg, device, compile)
+            self.drafter_decoders = CompiledDecoders(device, compile)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -73,26 +66,32 @@ class TargetModel:
 
     def new_cache(self, capacity: int | None = None) -> Cache:
         """A fresh cache for one generation; `capacity`: the positions it will hold (a preallocated cache sizes its
-        buffers to it; it grows past it if it must). Compiled: one static cache, reused across generations since the
-        compiled graphs are built on its buffers, replaced by a larger one (positions rounded up to STATIC_BLOCK, room
-        for a padded tree included) only when a generation needs more; attention reads only the context block in use,
-        so a larger buffer costs memory, not time."""
+        buffers to it; it grows past it if it must). Compiled: the compiled decoder's one static cache, cleared
+        (specbench/compiled.py: reused across generations, replaced by a larger one only when one needs more)."""
         if self.compiled is not None:
-            need = (capacity or 1024) + max(BUCKETS)  # room for a padded tree
-            if self._static is None or self._static.capacity < need:  # (a new buffer: its graphs are built anew)
-                self._static = StaticCache(self.model.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device)
-            self._static.reset()
-            return self._static
+            return self.compiled.new_cache(capacity)
         if self.cache == "preallocated":
             return PreallocatedCache(self.model.config, capacity or 1024)
         return DynamicCache(config=self.model.config)
 
-    def drafter_cache(self, config, capacity: int) -> Cache:
+    def drafter_cache(self, config, capacity: int, decoder: nn.Module | None = None) -> Cache:
         """A cache of the target's kind (model.cache) for a drafter's own decoder of `config` (EAGLE's head, sd's
-        draft model): `capacity` positions, grown past them if it must."""
+        draft model): `capacity` positions, grown past them if it must. Compiled, for a drafter that names its
+        `decoder` and runs it through specbench.compiled.decode: that decoder's static cache (its graphs built on it)."""
+        if self.drafter_decoders is not None and decoder is not None:
+            return self.drafter_decoders.cache(decoder, config, capacity)
         if self.cache == "preallocated":
             return PreallocatedCache(config, capacity)
         return DynamicCache(config=config)
+
+    def drafter_kv(self, capacity: int) -> CacheLayerMixin:
+        """One attention layer's keys and values for a drafter that keeps them outside an HF decoder (EAGLE-3's
+        mid-layer, Beagle's cross-attention keys, MoA's CA and TLI layers), of the target's kind (model.cache):
+        transformers' DynamicLayer (a torch.cat per append) or a PreallocatedLayer of `capacity` positions (in-place
+        writes, grown past them if it must). Both: update(k, v) appends and returns the whole; crop(-n) drops n."""
+        if self.cache == "preallocated":
+            return PreallocatedLayer(capacity)
+        return DynamicLayer()
 
     @torch.inference_mode()
     def forward(
@@ -120,42 +119,11 @@ class TargetModel:
         picked = torch.cat([out.hidden_states[i].to(self.device) for i in layers], -1) if layers else None
         return TargetForward(logits=logits.to(self.device), hidden=hidden.to(self.device), layers=picked)
 
-    def _static_step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache: StaticCache,
-                     layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward model.compile compiles: static shapes (ids [B, Q] with Q a bucket, mask [B, 1, Q, capacity]),
-        the cache written at its device-side offset, nothing read on the host."""
-        out = self.decoder(input_ids=ids, past_key_values=cache, position_ids=pos, attention_mask=mask, use_cache=True,
-                           output_hidden_states=bool(layers))
-        picked = torch.cat([out.hidden_states[i] for i in layers], -1) if layers else None
-        return out.last_hidden_state, picked
-
     def _forward_static(self, input_ids, cache: StaticCache, position_ids, attention_mask, logits_rows, layers):
-        """forward() on model.compile's static cache. A tree forward (Q <= the largest bucket) is padded to the next
-        bucket (padding rows: token 0 at the root's position, seeing the first cached entry; written past the length
-        that counts, so stale) and runs compiled; a prefill runs eagerly on the same buffers. Attention reads the cache
-        up to the end of the current STATIC_BLOCK-sized context block (one graph per bucket and block), the mask
-        (causal when None) widened to it: the columns not in use are hidden."""
-        b, q = input_ids.shape
-        n = cache.get_seq_length()
-        if position_ids is None:
-            position_ids = torch.arange(n, n + q, device=input_ids.device)[None].expand(b, -1)
-        if attention_mask is None:  # causal: the prefix and the rows up to itself (a chain's tree mask)
-            chain = torch.ones(q, q, dtype=torch.bool, device=input_ids.device).tril()
-            attention_mask = tree_attention_mask(chain, n, self.dtype)
-        pad = next((k for k in BUCKETS if k >= q), None) if n > 0 else None  # a prefill (n = 0) is not compiled
-        rows = q if pad is None else pad
-        width = cache.begin(rows, STATIC_BLOCK)
-        mask = attention_mask.new_full((b, 1, rows, width), torch.finfo(attention_mask.dtype).min)
-        mask[:, :, :q, : n + q] = attention_mask
-        ids, pos = input_ids, position_ids
-        if rows > q:
-            mask[:, :, q:, 0] = 0.0
-            ids = torch.cat([input_ids, input_ids.new_zeros(b, rows - q)], 1)
-            pos = torch.cat([position_ids, position_ids[:, :1].expand(b, rows - q)], 1)
-        step = self._static_step if pad is None else self.compiled
-        hidden, picked = step(ids, pos, mask, cache, tuple(layers))
-        cache.advance(q)
-        hidden, picked = hidden[:, :q], None if picked is None else picked[:, :q]
+        """forward() on model.compile's static cache: the decoder through specbench/compiled.py (a tree padded to a
+        bucket and compiled; a prefill eager on the same buffers), the LM head on the rows asked for."""
+        hidden, picked = self.compiled.forward(cache, input_ids=input_ids, position_ids=position_ids,
+                                               attention_mask=attention_mask, layers=layers)
         return TargetForward(logits=self.lm_head(hidden[:, logits_rows]).float(), hidden=hidden, layers=picked)
 
     def prefill(self, prompt: torch.Tensor, cache: Cache, layers: tuple[int, ...] = ()) -> TargetForward:

@@ -4,11 +4,12 @@ cache (specbench/kvcache.py, model.cache=preallocated) decodes every drafter to 
 DynamicCache, writes in place and grows only past its capacity."""
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from specbench.engine import Engine
 from specbench.errors import SpecbenchError
-from specbench.kvcache import PreallocatedCache
+from specbench.kvcache import PreallocatedCache, PreallocatedLayer
 from specbench.target import TargetModel, compact_cache
 from specbench.types import SamplingParams
 from tests.helpers import hf_greedy, tiny_llama
@@ -66,9 +67,22 @@ def test_every_drafter_decodes_the_same_steps_through_either_cache(name):
         target = TargetModel(model, None, torch.device("cpu"), "tiny", cache=kind)
         drafter = make_drafter(name, target)
         gens.append([Engine(target, drafter, SamplingParams()).generate(p, 40) for p in PROMPTS])
+        # a drafter that keeps its own keys and values keeps them in the target's kind of cache (issue 30)
+        layers = own_cache_layers(drafter)
+        assert (name in ("pld", "medusa")) == (not layers)
+        assert all(isinstance(x, PreallocatedLayer if kind == "preallocated" else DynamicLayer) for x in layers)
     for dyn, pre, prompt in zip(*gens, PROMPTS):
         assert pre.new_tokens == dyn.new_tokens == hf_greedy(model, prompt, 40)
         assert pre.tokens_per_step == dyn.tokens_per_step
+
+
+def own_cache_layers(drafter) -> list:
+    """The cache layers a drafter holds in its attributes (a Cache's layers, lone layers, lists of them)."""
+    found = []
+    for value in vars(drafter).values():
+        for x in value if isinstance(value, list) else [value]:
+            found += x.layers if isinstance(x, Cache) else [x] if isinstance(x, CacheLayerMixin) else []
+    return found
 
 
 def test_a_target_whose_layers_it_cannot_hold_is_refused_in_one_line():

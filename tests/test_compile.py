@@ -1,5 +1,5 @@
-"""model.compile (issue 30): the target's tree forwards through torch.compile over a static cache, trees padded to
-buckets. Every drafter config decodes its greedy output through it (with dynamo's aot_eager backend: the same graph
+"""model.compile (issue 30): the target's tree forwards, and the drafters' decoders (EAGLE's head, sd's draft model),
+through torch.compile over static caches, trees padded to buckets. Every drafter config decodes its greedy output through it (with dynamo's aot_eager backend: the same graph
 capture, static shapes and guards as inductor, without its C++ build; one inductor case), nothing recompiles once the
 buckets are warm, and the static cache refuses what it cannot hold."""
 import pytest
@@ -43,6 +43,19 @@ def test_nothing_recompiles_once_the_buckets_are_warm(compiled):
         for engine in engines:
             for prompt in PROMPTS[1:]:
                 assert engine.generate(prompt, 30).new_tokens == hf_greedy(compiled.model, prompt, 30)
+
+
+@pytest.mark.parametrize("name", ["eagle2", "sd_tree"])
+def test_the_drafters_decoders_run_compiled_on_their_own_static_caches(compiled, name):
+    """EAGLE's head (eagle, eagle2, hass, coral) and sd's draft model run through their own compiled decoder, on a
+    static cache of their own: its graphs are warm after one pass, so a second pass over the same prompts (tokens
+    sliced from a longer sequence: strides that differ) recompiles nothing and decodes the same tokens."""
+    engine = Engine(compiled, make_drafter(name, compiled), SamplingParams())
+    first = [engine.generate(p, 30).new_tokens for p in PROMPTS[:2]]
+    cache = engine.drafter.cache
+    assert isinstance(cache, StaticCache) and cache is not compiled.new_cache(64)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert [engine.generate(p, 30).new_tokens for p in PROMPTS[:2]] == first
 
 
 def test_inductor_compiles_the_baseline():

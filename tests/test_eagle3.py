@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 from safetensors.torch import save_file
 
 from drafters.eagle3 import Eagle3Drafter, Eagle3Options, default_layers
@@ -36,16 +37,15 @@ def test_training_time_test_equals_drafting_a_chain():
     embed = target.decoder.embed_tokens
     for t in (0, 3, 7):
         causal = torch.ones(1, 1, t + 1, t + 1, dtype=torch.bool).tril()
-        h, k, v = head.step(embed(ids[:, 1 : t + 2]), head.fc(feats[:, : t + 1]), torch.arange(t + 1)[None], None,
-                            causal)
+        past = DynamicLayer()
+        h = head.step(embed(ids[:, 1 : t + 2]), head.fc(feats[:, : t + 1]), torch.arange(t + 1)[None], past, causal)
         torch.testing.assert_close(h[:, -1], outs[0][:, t], rtol=1e-4, atol=1e-4)
-        past, f = (k, v), h[:, -1:]
+        f = h[:, -1:]
         for i in range(1, steps):
             if t + 1 + i >= ids.shape[1]:
                 break
-            allowed = torch.ones(1, 1, 1, past[0].shape[2] + 1, dtype=torch.bool)
-            f, k, v = head.step(embed(ids[:, t + 1 + i : t + 2 + i]), f, torch.tensor([[t + i]]), past, allowed)
-            past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+            allowed = torch.ones(1, 1, 1, past.get_seq_length() + 1, dtype=torch.bool)
+            f = head.step(embed(ids[:, t + 1 + i : t + 2 + i]), f, torch.tensor([[t + i]]), past, allowed)
             torch.testing.assert_close(f[:, 0], outs[i][:, t], rtol=1e-4, atol=1e-4)
 
 
