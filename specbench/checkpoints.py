@@ -25,7 +25,7 @@ def own_state(module: torch.nn.Module, target) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(path: Path, module: torch.nn.Module, target, meta: dict[str, Any], dtype: str = "float32",
-                    extra: dict[str, torch.Tensor] | None = None) -> None:
+                    extra: dict[str, Any] | None = None) -> None:
     """Atomic: written to a temp dir, then renamed over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))

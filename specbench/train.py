@@ -53,7 +53,7 @@ from specbench.types import SamplingParams
 
 log = logging.getLogger("specbench.train")
 RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype", "dist_timeout_min",
-               "kv_features", "loader_workers", "features_shard"}  # (kv_features: the same values, tested: test_online_kv_equals_stored)  # may change on resume
+               "kv_features", "loader_workers", "features_shard", "save_every_min"}  # (kv_features: the same values, tested: test_online_kv_equals_stored)  # may change on resume
 OPTIM_KEYS = {"lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_clip_mode", "noise", "noise_scale"}
 
 
@@ -438,7 +438,7 @@ class Trainer:
         params = [p for p in module.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay,
                                 fused=dev.type == "cuda")
-        first_epoch, step = self._resume(module, opt)
+        first_epoch, step, resumed = self._resume(module, opt)
         self.layers = tuple(self.cls.feature_layers(module)) if LAYERS in getattr(self.cls, "needs", ()) else ()
         if step == 0:  # a fresh start (a resumed module has it from its checkpoint): EAGLE-3's draft vocabulary
             self.cls.fit_data(module, token_counts(train_set, self.target.vocab_size), self.opts)
@@ -454,11 +454,18 @@ class Trainer:
             logf.unlink(missing_ok=True)  # a fresh start: the log describes this training's checkpoints only
         mem = PeakMemory(dev)
         noise_gen = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
-        metrics: dict = {}
+        metrics: dict = resumed.get("metrics", {})
+        if "noise_gen" in resumed:  # inside an epoch: the random streams as they were at that batch
+            noise_gen.set_state(resumed["noise_gen"])
+            torch.set_rng_state(resumed["torch_rng"])
+            random.setstate(resumed["python_rng"])
         for epoch in range(first_epoch, tc.epochs):
             mem.reset()
             t0 = time.perf_counter()
-            step, tokens, done = self._epoch(module, params, opt, items, epoch, step, total_steps, logf, noise_gen)
+            skip = resumed.get("batches", 0) if epoch == first_epoch else 0
+            save = lambda e, s, b: self._save_inside(module, opt, e, s, b, metrics, noise_gen)  # noqa: E731
+            step, tokens, done = self._epoch(module, params, opt, items, epoch, step, total_steps, logf, noise_gen,
+                                             skip, save)
             epoch_s = time.perf_counter() - t0
             spread = rank_spread(module) if dist.is_initialized() else None
             if spread:  # a silent divergence would save one rank's weights as everyone's
@@ -479,11 +486,24 @@ class Trainer:
             dist.barrier()
         return final
 
-    def _resume(self, module, opt) -> tuple[int, int]:
-        """(first epoch, step): after the last finished epoch of `last/`, refused when made under another budget."""
+    def _save_inside(self, module, opt, epoch: int, step: int, batches: int, metrics: dict,
+                     noise_gen: torch.Generator) -> None:
+        """A `last/` checkpoint inside `epoch` after its first `batches` batches (rank 0; train.save_every_min): the
+        weights, the optimiser, the random streams and where the epoch stands. Its meta `epoch` stays the last
+        finished one (epoch - 1), so a reader that knows nothing of `inside` sees the last finished epoch's meta."""
+        meta = self.meta(epoch - 1, step, metrics) | {"inside": {"epoch": epoch, "batches": batches}}
+        save_checkpoint(self.out / "last", module, self.target, meta,
+                        extra={"optimizer": opt.state_dict(), "noise_gen": noise_gen.get_state(),
+                               "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()})
+        log.info("saved %s inside epoch %d, after %d batches (step %d)", self.out / "last", epoch + 1, batches, step)
+
+    def _resume(self, module, opt) -> tuple[int, int, dict]:
+        """(first epoch, step, what else it restores): after the last finished epoch of `last/`, or inside an epoch
+        where `last/` was saved there (batches: how many of that epoch's are done; its random streams; the last
+        validation's metrics); refused when made under another budget. The log loses the rows logged after it."""
         tc, last = self.tc, self.out / "last"
         if not (tc.resume and (last / "config.json").is_file()):
-            return 0, 0
+            return 0, 0, {}
         meta = load_checkpoint(last, module, self.target, self.cls.name)
         defaults = asdict(TrainConfig())  # a key the checkpoint predates was at its default then
         # a `last` from another budget would silently continue (or, finished, stand in for) a different training
@@ -492,28 +512,53 @@ class Trainer:
         if changed:
             raise SpecbenchError(f"{last} was trained with another budget ({', '.join(changed)} differ): "
                                  "add train.resume=false to start over, or remove it")
-        opt.load_state_dict(torch.load(last / "trainer_state.pt", weights_only=True)["optimizer"])
-        log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], meta["step"])
-        return meta["epoch"] + 1, meta["step"]
+        state = torch.load(last / "trainer_state.pt", weights_only=True)
+        opt.load_state_dict(state["optimizer"])
+        self._trim_log(meta["step"])
+        inside = meta.get("inside")
+        if inside is None:
+            log.info("resuming %s after epoch %d (step %d)", last, meta["epoch"], meta["step"])
+            return meta["epoch"] + 1, meta["step"], {"metrics": meta.get("metrics", {})}
+        log.info("resuming %s inside epoch %d after %d batches (step %d)", last, inside["epoch"] + 1,
+                 inside["batches"], meta["step"])
+        return inside["epoch"], meta["step"], {"metrics": meta.get("metrics", {}), "batches": inside["batches"],
+                                               **{k: state[k] for k in ("noise_gen", "torch_rng", "python_rng")}}
+
+    def _trim_log(self, step: int) -> None:
+        """Drop the log rows written after the checkpoint resumed from (steps that are run again)."""
+        logf = self.out / "log.jsonl"
+        if self.rank != 0 or not logf.is_file():
+            return
+        rows = [line for line in logf.read_text(encoding="utf-8").splitlines() if line.strip()]
+        keep = [line for line in rows if json.loads(line)["step"] <= step]
+        if len(keep) < len(rows):
+            tmp = logf.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+            tmp.replace(logf)
 
     def _epoch(self, module, params, opt, items: FeatureItems, epoch: int, step: int, total_steps: int, logf: Path,
-               noise_gen: torch.Generator) -> tuple[int, int, bool]:
-        """One epoch of this rank's shard -> (step, tokens trained on, whether max_steps was reached)."""
+               noise_gen: torch.Generator, skip: int = 0, save=None) -> tuple[int, int, bool]:
+        """One epoch of this rank's shard -> (step, tokens trained on, whether max_steps was reached). `skip`: its
+        first batches are done (resumed inside it); `save(epoch, step, batches)` every train.save_every_min (rank 0)."""
         tc, dev = self.tc, self.target.device
         order = list(range(len(items)))
         random.Random(tc.seed + epoch).shuffle(order)
         order = shard(order, self.rank, self.world)
-        batches = [order[i : i + tc.batch_size] for i in range(0, len(order), tc.batch_size)]
+        batches = [order[i : i + tc.batch_size] for i in range(0, len(order), tc.batch_size)][skip:]
         workers = tc.loader_workers if tc.loader_workers is not None else (2 if dev.type == "cuda" else 0)
         # batches are read and collated by `workers` processes ahead of the step (none: in this process)
+        # its own generator (for the workers' seeds): a loader drawing from torch's global stream would draw at another
+        # point of it when an epoch is resumed midway, and the method's own draws (MoA's blocks) would shift
         loader = torch.utils.data.DataLoader(items, batch_sampler=batches, collate_fn=collate, num_workers=workers,
-                                             prefetch_factor=2 if workers else None, pin_memory=dev.type == "cuda")
+                                             prefetch_factor=2 if workers else None, pin_memory=dev.type == "cuda",
+                                             generator=torch.Generator().manual_seed(tc.seed + epoch))
         t0, tokens = time.perf_counter(), 0
-        bar = tqdm(loader, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch",
-                   disable=self.rank != 0, dynamic_ncols=True)
+        saved = t0
+        bar = tqdm(loader, desc=f"{self.cls.name} epoch {epoch + 1}/{tc.epochs}", unit="batch", initial=skip,
+                   total=skip + len(batches), disable=self.rank != 0, dynamic_ncols=True)
         stages = stage_starts(self.cls.restarts(self.opts), total_steps)
         fresh = {first for first, _ in stages[1:]}
-        for batch in bar:
+        for done_batches, batch in enumerate(bar, start=skip + 1):
             if step in fresh:  # a restart (HASS's second stage): the optimiser's moments and step counts from zero
                 opt.state.clear()
                 log.info("step %d: a new stage, with a fresh optimiser", step)
@@ -536,6 +581,11 @@ class Trainer:
                                  "tokens_per_s": tokens * self.world / (time.perf_counter() - t0)})
             if tc.max_steps is not None and step >= tc.max_steps:
                 return step, tokens, True
+            last_batch = done_batches == skip + len(batches)
+            if (save is not None and self.rank == 0 and tc.save_every_min is not None and not last_batch
+                    and time.perf_counter() - saved >= 60 * tc.save_every_min):
+                save(epoch, step, done_batches)
+                saved = time.perf_counter()
         return step, tokens, False
 
     def _step(self, module, params, opt, batch, epoch: int, step: int,

@@ -193,6 +193,39 @@ def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file
         Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3", "train.warmup_steps=3")).run()
 
 
+@pytest.mark.parametrize("drafter", ["eagle", "moa"])
+def test_a_crash_inside_an_epoch_resumes_at_its_last_save_with_the_same_weights(make_cfg, tmp_path, sharegpt_file,
+                                                                                 monkeypatch, drafter):
+    """train.save_every_min (0 here: after every batch): a run killed inside its second epoch resumes at the batch of
+    its last `last/` (the feature noise's, torch's and Python's random streams restored: EAGLE's noise, MoA's block
+    sampling) and ends with the weights of a run never stopped; its log has each step once."""
+    from safetensors.torch import load_file
+
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.save_every_min": 0, "train.noise": "uniform",
+                                                       "train.noise_scale": 0.1})
+    whole = Trainer(make_cfg(f"drafter={drafter}", *over, f"train.out_dir={tmp_path / 'whole'}")).run()
+    real_step, calls = Trainer._step, []
+
+    def dies_at_step_8(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:  # 5 batches an epoch: the third of the second epoch
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    cfg = make_cfg(f"drafter={drafter}", *over, f"train.out_dir={tmp_path / 'cut'}")
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "_step", dies_at_step_8)
+        with pytest.raises(KeyboardInterrupt):
+            Trainer(cfg).run()
+    last = read_meta(tmp_path / "cut" / "tiny" / drafter / "last")
+    assert (last["epoch"], last["step"], last["inside"]) == (0, 7, {"epoch": 1, "batches": 2})
+    resumed = Trainer(cfg).run()
+    a, b = load_file(str(whole / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r["step"] for r in read_jsonl(tmp_path / "cut" / "tiny" / drafter / "log.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(1, 11))
+
+
 def test_a_checkpoint_for_another_target_is_refused(make_cfg, tmp_path, sharegpt_file):
     final = Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1}))).run()
     other = TargetModel(tiny_llama(vocab=258, seed=7), byte_tokenizer(), torch.device("cpu"), "other")
