@@ -192,7 +192,9 @@ class IndependentDrafter(TrainableDrafter):
         cfg = self.model.config
         # model.compile compiles the draft model's decoder (its LM head applied after it, eagerly): a model whose
         # logits are more than LM-head(hidden) (a logit scale or soft-cap) keeps its own forward
-        plain = not any(getattr(cfg, k, None) for k in ("logit_scale", "logits_scaling", "final_logit_softcapping"))
+        text = cfg.get_text_config()
+        plain = (getattr(text, "logits_scaling", 1.0) in (None, 1.0)
+                 and not any(getattr(text, k, None) for k in ("logit_scale", "final_logit_softcapping")))
         self.cache = self.new_cache(cfg, state.tokens.shape[1] + 1024, self.model.get_decoder() if plain else None)
         self.cached = 0
 

@@ -33,8 +33,10 @@ def torch_compile(fn, device: torch.device, backend: bool | str):
     torch.compile backend (tests: aot_eager, the same capture and guards without a C++ build)."""
     import torch._dynamo
 
-    # one graph per (tree bucket, context block) and per compiled decoder: more than dynamo's default of 8
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    # one graph per (tree bucket, context block) and per kind of compiled decoder (the target's, a drafter's), all of
+    # them entries of CompiledDecoder._step's one code object: far more than dynamo's default of 8 (past the limit it
+    # would fall back to eager, silently)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
     name = backend if isinstance(backend, str) else "inductor"
     cuda_graphs = name == "inductor" and device.type == "cuda"
@@ -47,9 +49,19 @@ class CompiledDecoder:
     larger one only when a generation needs more (its graphs are then built anew)."""
 
     def __init__(self, decoder: nn.Module, config, device: torch.device, backend: bool | str):
-        self.decoder, self.config, self.device = decoder, config, device
+        self._decoder = weakref.ref(decoder)  # (weak: CompiledDecoders keys on the decoder, and a value must not keep it)
+        self.config, self.device = config, device
         self.step = torch_compile(self._step, device, backend)
         self._cache: StaticCache | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Positions the static cache in use holds (0 before the first)."""
+        return 0 if self._cache is None else self._cache.capacity
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self._decoder()
 
     def new_cache(self, capacity: int | None = None) -> StaticCache:
         """A cleared static cache for `capacity` positions (rounded up to STATIC_BLOCK, room for a padded tree)."""
@@ -106,8 +118,9 @@ class CompiledDecoder:
 
 
 class CompiledDecoders:
-    """model.compile's compiled drafter decoders, one per decoder module (weakly held: a drafter gone, its graphs go),
-    each with its own static cache. Owned by the TargetModel, which hands their caches out (drafter_cache)."""
+    """model.compile's compiled drafter decoders, one per decoder module (weakly keyed: a drafter gone, its static
+    cache goes; dynamo keeps its graphs, keyed by shapes, for the next drafter of the same shapes). Owned by the
+    TargetModel, which hands their caches out (drafter_cache)."""
 
     def __init__(self, device: torch.device, backend: bool | str):
         self.device, self.backend = device, backend

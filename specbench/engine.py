@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specbench.drafter import HIDDEN, KV, LAYERS, Drafter
+from specbench.errors import SpecbenchError
 from specbench.sampling import logits_to_probs, sample
 from specbench.kvcache import PreallocatedCache
 from specbench.target import TargetModel, cache_kv, compact_cache, compact_rows, row_kv
@@ -263,6 +264,8 @@ class Engine:
         its prompt's greedy output (at this batch's numerics: a batched matmul may round differently from a lone
         one); at T>0 each row samples with its own generator. `context` as in generate()."""
         target, dev, devs, eos = self.target, self.target.device, self.target.devices, self.target.eos_token_ids
+        if target.compiled is not None:  # (its drafters' forks would share one static cache)
+            raise SpecbenchError("model.compile=true decodes one prompt at a time (decoding.batch_size=1)")
         b = len(prompts)
         budgets = list(max_new_tokens) if isinstance(max_new_tokens, list) else [max_new_tokens] * b
         generators = list(generators) if generators is not None else [None] * b

@@ -79,7 +79,9 @@ class TargetModel:
         draft model): `capacity` positions, grown past them if it must. Compiled, for a drafter that names its
         `decoder` and runs it through specbench.compiled.decode: that decoder's static cache (its graphs built on it)."""
         if self.drafter_decoders is not None and decoder is not None:
-            return self.drafter_decoders.cache(decoder, config, capacity)
+            # a static cache cannot grow: room for as much as the target's, which is sized to this generation
+            held = self.compiled.capacity
+            return self.drafter_decoders.cache(decoder, config, max(capacity, held))
         if self.cache == "preallocated":
             return PreallocatedCache(config, capacity)
         return DynamicCache(config=config)

@@ -453,19 +453,15 @@ class Trainer:
         if step == 0 and self.rank == 0:
             logf.unlink(missing_ok=True)  # a fresh start: the log describes this training's checkpoints only
         mem = PeakMemory(dev)
-        noise_gen = torch.Generator().manual_seed(tc.seed + 1 + self.rank)
+        noise_gen = torch.Generator()  # the feature noise's stream, seeded per step (_seed_step)
         metrics: dict = resumed.get("metrics", {})
-        if "noise_gen" in resumed:  # inside an epoch: the random streams as they were at that batch
-            noise_gen.set_state(resumed["noise_gen"])
-            torch.set_rng_state(resumed["torch_rng"])
-            random.setstate(resumed["python_rng"])
         for epoch in range(first_epoch, tc.epochs):
             mem.reset()
             t0 = time.perf_counter()
             skip = resumed.get("batches", 0) if epoch == first_epoch else 0
-            save = lambda e, s, b: self._save_inside(module, opt, e, s, b, metrics, noise_gen)  # noqa: E731
-            step, tokens, done = self._epoch(module, params, opt, items, epoch, step, total_steps, logf, noise_gen,
-                                             skip, save)
+            save = lambda e, s, b: self._save_inside(module, opt, e, s, b, metrics)  # noqa: E731
+            step, tokens, stopped = self._epoch(module, params, opt, items, epoch, step, total_steps, logf, noise_gen,
+                                                skip, save)
             epoch_s = time.perf_counter() - t0
             spread = rank_spread(module) if dist.is_initialized() else None
             if spread:  # a silent divergence would save one rank's weights as everyone's
@@ -473,11 +469,14 @@ class Trainer:
             if self.rank == 0:
                 extra = {} if spread is None else {"rank_weight_spread": spread}
                 metrics = self._validate(module, val_items, epoch, step, epoch_s, tokens, mem, logf, extra)
-                save_checkpoint(self.out / "last", module, self.target, self.meta(epoch, step, metrics),
-                                extra={"optimizer": opt.state_dict()})
+                if stopped is None:
+                    save_checkpoint(self.out / "last", module, self.target, self.meta(epoch, step, metrics),
+                                    extra={"optimizer": opt.state_dict()})
+                else:  # train.max_steps stopped it inside the epoch: a larger max_steps resumes at that batch
+                    self._save_inside(module, opt, epoch, step, stopped, metrics)
             if dist.is_initialized():
                 dist.barrier()
-            if done:
+            if stopped is not None or (tc.max_steps is not None and step >= tc.max_steps):
                 break
         final = self.out / "final"
         if self.rank == 0:
@@ -486,22 +485,23 @@ class Trainer:
             dist.barrier()
         return final
 
-    def _save_inside(self, module, opt, epoch: int, step: int, batches: int, metrics: dict,
-                     noise_gen: torch.Generator) -> None:
-        """A `last/` checkpoint inside `epoch` after its first `batches` batches (rank 0; train.save_every_min): the
-        weights, the optimiser, the random streams and where the epoch stands. Its meta `epoch` stays the last
-        finished one (epoch - 1), so a reader that knows nothing of `inside` sees the last finished epoch's meta."""
+    def _save_inside(self, module, opt, epoch: int, step: int, batches: int, metrics: dict) -> None:
+        """A `last/` checkpoint inside `epoch` after its first `batches` batches (rank 0; train.save_every_min, or
+        train.max_steps): the weights, the optimiser and where the epoch stands (the random streams need no saving:
+        each step seeds its own, _seed_step). Its meta `epoch` stays the last finished one (epoch - 1), so a reader
+        that knows nothing of `inside` sees the last finished epoch's meta."""
         meta = self.meta(epoch - 1, step, metrics) | {"inside": {"epoch": epoch, "batches": batches}}
-        save_checkpoint(self.out / "last", module, self.target, meta,
-                        extra={"optimizer": opt.state_dict(), "noise_gen": noise_gen.get_state(),
-                               "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()})
+        save_checkpoint(self.out / "last", module, self.target, meta, extra={"optimizer": opt.state_dict()})
         log.info("saved %s inside epoch %d, after %d batches (step %d)", self.out / "last", epoch + 1, batches, step)
 
     def _resume(self, module, opt) -> tuple[int, int, dict]:
         """(first epoch, step, what else it restores): after the last finished epoch of `last/`, or inside an epoch
-        where `last/` was saved there (batches: how many of that epoch's are done; its random streams; the last
+        where `last/` was saved there (batches: how many of that epoch's are done; the last
         validation's metrics); refused when made under another budget. The log loses the rows logged after it."""
         tc, last = self.tc, self.out / "last"
+        old = last.with_name(f".{last.name}.old")  # a kill between save_checkpoint's two renames leaves only this
+        if not (last / "config.json").is_file() and (old / "config.json").is_file():
+            last = old
         if not (tc.resume and (last / "config.json").is_file()):
             return 0, 0, {}
         meta = load_checkpoint(last, module, self.target, self.cls.name)
@@ -521,25 +521,32 @@ class Trainer:
             return meta["epoch"] + 1, meta["step"], {"metrics": meta.get("metrics", {})}
         log.info("resuming %s inside epoch %d after %d batches (step %d)", last, inside["epoch"] + 1,
                  inside["batches"], meta["step"])
-        return inside["epoch"], meta["step"], {"metrics": meta.get("metrics", {}), "batches": inside["batches"],
-                                               **{k: state[k] for k in ("noise_gen", "torch_rng", "python_rng")}}
+        return inside["epoch"], meta["step"], {"metrics": meta.get("metrics", {}), "batches": inside["batches"]}
 
     def _trim_log(self, step: int) -> None:
         """Drop the log rows written after the checkpoint resumed from (steps that are run again)."""
         logf = self.out / "log.jsonl"
         if self.rank != 0 or not logf.is_file():
             return
-        rows = [line for line in logf.read_text(encoding="utf-8").splitlines() if line.strip()]
-        keep = [line for line in rows if json.loads(line)["step"] <= step]
+        rows = logf.read_text(encoding="utf-8").splitlines()
+
+        def before(line: str) -> bool:
+            try:
+                return json.loads(line)["step"] <= step
+            except (json.JSONDecodeError, KeyError, TypeError):  # a line a crash cut off mid-write
+                return False
+
+        keep = [line for line in rows if before(line)]
         if len(keep) < len(rows):
             tmp = logf.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
             tmp.replace(logf)
 
     def _epoch(self, module, params, opt, items: FeatureItems, epoch: int, step: int, total_steps: int, logf: Path,
-               noise_gen: torch.Generator, skip: int = 0, save=None) -> tuple[int, int, bool]:
-        """One epoch of this rank's shard -> (step, tokens trained on, whether max_steps was reached). `skip`: its
-        first batches are done (resumed inside it); `save(epoch, step, batches)` every train.save_every_min (rank 0)."""
+               noise_gen: torch.Generator, skip: int = 0, save=None) -> tuple[int, int, int | None]:
+        """One epoch of this rank's shard -> (step, tokens trained on, None, or the batches done when max_steps
+        stopped it inside the epoch). `skip`: its first batches are done (resumed inside it); `save(epoch, step,
+        batches)` every train.save_every_min (rank 0)."""
         tc, dev = self.tc, self.target.device
         order = list(range(len(items)))
         random.Random(tc.seed + epoch).shuffle(order)
@@ -568,6 +575,7 @@ class Trainer:
             if self.layers:  # EAGLE-3's low/middle/high features from the frozen target
                 batch.layers = online_layers(self.target, batch.input_ids, batch.attn_mask, self.layers,
                                              tc.features_dtype)
+            self._seed_step(step, noise_gen)
             add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
             for g in opt.param_groups:
                 g["lr"] = scheduled_lr(step, tc, total_steps, stages)
@@ -579,14 +587,23 @@ class Trainer:
                 self._log(logf, {"kind": "train", "epoch": epoch, "step": step, "loss": loss, **parts,
                                  "grad_norm": float(gnorm), "lr": scheduled_lr(step - 1, tc, total_steps, stages),
                                  "tokens_per_s": tokens * self.world / (time.perf_counter() - t0)})
-            if tc.max_steps is not None and step >= tc.max_steps:
-                return step, tokens, True
             last_batch = done_batches == skip + len(batches)
+            if tc.max_steps is not None and step >= tc.max_steps:
+                return step, tokens, None if last_batch else done_batches
             if (save is not None and self.rank == 0 and tc.save_every_min is not None and not last_batch
                     and time.perf_counter() - saved >= 60 * tc.save_every_min):
                 save(epoch, step, done_batches)
                 saved = time.perf_counter()
-        return step, tokens, False
+        return step, tokens, None
+
+    def _seed_step(self, step: int, noise_gen: torch.Generator) -> None:
+        """Every step's random draws (the feature noise, torch's streams on every device: MoA's blocks and staircase,
+        Python's) are seeded by (seed, step, rank): a run resumed at any batch, on any device and under torchrun,
+        draws what a run never stopped draws, with nothing to save."""
+        seed = hash((self.tc.seed, step, self.rank)) & 0x7FFF_FFFF  # (ints hash to themselves: the same every run)
+        noise_gen.manual_seed(seed)
+        torch.manual_seed(seed)
+        random.seed(seed)
 
     def _step(self, module, params, opt, batch, epoch: int, step: int,
               progress: float) -> tuple[float, dict, torch.Tensor]:

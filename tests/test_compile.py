@@ -10,7 +10,7 @@ from specbench.errors import SpecbenchError
 from specbench.kvcache import StaticCache
 from specbench.run import Runner
 from specbench.target import TargetModel
-from specbench.types import SamplingParams
+from specbench.types import SamplingParams, TargetState
 from tests.helpers import hf_greedy, tiny_llama
 from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter
 
@@ -73,6 +73,19 @@ def test_the_static_cache_refuses_what_it_cannot_hold():
         cache.layers[0].set_row_lengths([3, 4])
 
 
-def test_compile_with_batches_is_refused_in_one_line(make_cfg):
+def test_compile_with_batches_is_refused_in_one_line(make_cfg, compiled):
     with pytest.raises(SpecbenchError, match="model.compile=true decodes one prompt at a time"):
         Runner(make_cfg("drafter=none", "model.compile=true", "decoding.batch_size=2"))
+    with pytest.raises(SpecbenchError, match="model.compile=true decodes one prompt at a time"):
+        Engine(compiled, make_drafter("eagle2", compiled), SamplingParams()).generate_batch(PROMPTS[:2], 8)
+
+
+def test_a_drafters_static_cache_holds_what_the_targets_holds(compiled):
+    """A static cache cannot grow: a drafter's (asked for its prompt + 1024 positions) is at least as large as the
+    target's, which is sized to the generation (here 1500 new tokens: past the drafter's own ask)."""
+    engine = Engine(compiled, make_drafter("sd", compiled), SamplingParams())
+    engine.generate(PROMPTS[0], 2)
+    small = engine.drafter.cache.capacity
+    compiled.new_cache(len(PROMPTS[0]) + 1500)
+    engine.drafter.prefill(TargetState(tokens=torch.tensor([PROMPTS[0]]), hidden=None, kv=None))
+    assert engine.drafter.cache.capacity >= compiled.compiled.capacity > small

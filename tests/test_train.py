@@ -193,16 +193,21 @@ def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file
         Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3", "train.warmup_steps=3")).run()
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "moa"])
-def test_a_crash_inside_an_epoch_resumes_at_its_last_save_with_the_same_weights(make_cfg, tmp_path, sharegpt_file,
-                                                                                 monkeypatch, drafter):
-    """train.save_every_min (0 here: after every batch): a run killed inside its second epoch resumes at the batch of
-    its last `last/` (the feature noise's, torch's and Python's random streams restored: EAGLE's noise, MoA's block
-    sampling) and ends with the weights of a run never stopped; its log has each step once."""
+@pytest.mark.parametrize("drafter,stop", [("eagle", "kill"), ("moa", "kill"), ("moa", "kill_no_saves_inside"),
+                                          ("eagle", "max_steps")])
+def test_a_stopped_training_resumes_at_its_last_save_with_the_same_weights(make_cfg, tmp_path, sharegpt_file,
+                                                                          monkeypatch, drafter, stop):
+    """A run killed inside its second epoch resumes at its last `last/`: inside the epoch (train.save_every_min, 0 here:
+    after every batch) or, with no saves inside epochs, at the first epoch's end; a run stopped by train.max_steps
+    resumes inside its epoch when max_steps is lifted. Each ends with the weights of a run never stopped (every step
+    seeds its own random draws: EAGLE's feature noise, MoA's block sampling), its log with each step once."""
     from safetensors.torch import load_file
 
-    over = train_overrides(tmp_path, sharegpt_file, **{"train.save_every_min": 0, "train.noise": "uniform",
-                                                       "train.noise_scale": 0.1})
+    inside = stop != "kill_no_saves_inside"
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.save_every_min": 0 if inside else "null",
+                                                       "train.noise": "uniform", "train.noise_scale": 0.1,
+                                                       # (a cosine schedule is planned over max_steps when it is set)
+                                                       "train.lr_schedule": "constant"})
     whole = Trainer(make_cfg(f"drafter={drafter}", *over, f"train.out_dir={tmp_path / 'whole'}")).run()
     real_step, calls = Trainer._step, []
 
@@ -213,12 +218,16 @@ def test_a_crash_inside_an_epoch_resumes_at_its_last_save_with_the_same_weights(
         return real_step(self, *args, **kwargs)
 
     cfg = make_cfg(f"drafter={drafter}", *over, f"train.out_dir={tmp_path / 'cut'}")
-    with monkeypatch.context() as m:
-        m.setattr(Trainer, "_step", dies_at_step_8)
-        with pytest.raises(KeyboardInterrupt):
-            Trainer(cfg).run()
+    if stop == "max_steps":
+        Trainer(make_cfg(f"drafter={drafter}", *over, f"train.out_dir={tmp_path / 'cut'}", "train.max_steps=7")).run()
+    else:
+        with monkeypatch.context() as m:
+            m.setattr(Trainer, "_step", dies_at_step_8)
+            with pytest.raises(KeyboardInterrupt):
+                Trainer(cfg).run()
     last = read_meta(tmp_path / "cut" / "tiny" / drafter / "last")
-    assert (last["epoch"], last["step"], last["inside"]) == (0, 7, {"epoch": 1, "batches": 2})
+    assert (last["epoch"], last["step"], last.get("inside")) == ((0, 7, {"epoch": 1, "batches": 2}) if inside else
+                                                                 (0, 5, None))
     resumed = Trainer(cfg).run()
     a, b = load_file(str(whole / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
