@@ -118,7 +118,7 @@ class Eagle3Head(nn.Module):
         self.norm = type(target.decoder.norm)(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, draft_vocab, bias=False)
         self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.long), requires_grad=False)  # [N] offsets
-        self.register_buffer("t2d", torch.zeros(target.vocab_size, dtype=torch.bool), persistent=False)  # [V]
+        self.vocab_size = target.vocab_size
         self.set_vocab(torch.arange(draft_vocab))
 
     @property
@@ -129,16 +129,18 @@ class Eagle3Head(nn.Module):
     def set_vocab(self, ids: torch.Tensor) -> None:
         """The draft vocabulary: N distinct target ids (sorted here)."""
         ids = ids.to(self.d2t.device).sort().values
-        if ids.shape != self.d2t.shape or ids.unique().shape != ids.shape or int(ids[-1]) >= self.t2d.shape[0]:
-            raise SpecbenchError(f"a draft vocabulary must be {self.d2t.shape[0]} distinct ids below {self.t2d.shape[0]}")
+        if ids.shape != self.d2t.shape or ids.unique().shape != ids.shape or int(ids[-1]) >= self.vocab_size:
+            raise SpecbenchError(f"a draft vocabulary must be {self.d2t.shape[0]} distinct ids below {self.vocab_size}")
         with torch.no_grad():
             self.d2t.copy_(ids - torch.arange(ids.shape[0], device=ids.device))
-        self.sync_t2d()
 
-    def sync_t2d(self) -> None:
-        """t2d from d2t (after a load)."""
-        self.t2d.zero_()
-        self.t2d[self.draft_ids] = True
+    @property
+    def t2d(self) -> torch.Tensor:
+        """[V] bool: the target ids in the draft vocabulary. Derived from d2t on every use, never stored: a kept copy
+        went stale when a trainer's resume loaded d2t into a head built with the identity vocabulary."""
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.d2t.device)
+        mask[self.draft_ids] = True
+        return mask
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Un-normed head outputs [.., H] -> draft-vocabulary logits [.., N]."""
@@ -147,9 +149,9 @@ class Eagle3Head(nn.Module):
     def target_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[.., H] -> [.., V]: the draft logits at their target ids, -inf elsewhere (what the tree ranks)."""
         logits = self.draft_logits(h)
-        if logits.shape[-1] == self.t2d.shape[0]:
+        if logits.shape[-1] == self.vocab_size:
             return logits  # the whole vocabulary (d2t is the identity then)
-        full = logits.new_full((*logits.shape[:-1], self.t2d.shape[0]), float("-inf"))
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.draft_ids, logits)
 
     def step(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, past: CacheLayerMixin,
@@ -274,7 +276,6 @@ def load_authors_eagle3(path: Path, target) -> Eagle3Head:
     state["d2t"] = state["d2t"].long()
     params = dict(head.named_parameters())
     copy_state(path, {k.removeprefix("model."): v for k, v in state.items()}, params, "an EAGLE-3 head")
-    head.sync_t2d()
     if t2d is not None and not torch.equal(t2d.bool().to(head.t2d.device), head.t2d):
         raise SpecbenchError(f"checkpoint {path}: t2d does not mark the ids d2t maps the draft vocabulary to")
     return head.to(target.device, target.dtype)
@@ -360,9 +361,7 @@ class Eagle3Drafter(TrainableDrafter):
         """The project's checkpoints, or a head published in the authors' layout (detected from its files)."""
         if checkpoint and is_authors_layout(resolve(checkpoint)):
             return load_authors_eagle3(resolve(checkpoint), target).eval().requires_grad_(False)
-        head = super().load_module(target, checkpoint, options)
-        head.sync_t2d()  # d2t came with the weights
-        return head
+        return super().load_module(target, checkpoint, options)
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:

@@ -95,7 +95,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     warmup_steps: int = 20
-    # after warm-up: constant, or cosine = decay to 0 over the planned steps (epochs x batches, or max_steps)
+    # after warm-up: constant, or cosine = decay to 0 over the planned steps (epochs x batches; max_steps only stops)
     lr_schedule: str = "constant"
     grad_clip: float = 0.5
     # value = clamp every gradient element to +-grad_clip (EAGLE's and HASS's `clip_grad_value_`); norm = rescale the
@@ -114,7 +114,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     resume: bool = True
-    max_steps: int | None = None  # stop early (tests, smoke runs)
+    max_steps: int | None = None  # stop early (tests, smoke runs); the schedule stays the budget's
     # a `last/` checkpoint inside an epoch every this many minutes too (a crash or a session's end mid-epoch resumes at
     # that batch, not at the epoch's start: a CPU epoch takes most of an hour); None: at epochs' ends only
     save_every_min: Optional[float] = 10.0

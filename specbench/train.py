@@ -293,7 +293,8 @@ def stage_starts(restarts, total_steps: int) -> list[tuple[int, float]]:
     for r in sorted(restarts, key=lambda r: r.at):
         if not 0.0 < r.at < 1.0:
             raise SpecbenchError(f"a restart at {r.at} of the budget is not inside it (0, 1)")
-        out.append((min(total_steps, max(1, round(r.at * total_steps))), r.lr_scale))
+        # the first step whose progress (step / total_steps, what a method's training_steps sees) reaches r.at
+        out.append((min(total_steps, max(1, math.ceil(r.at * total_steps - 1e-9))), r.lr_scale))
     return out
 
 
@@ -447,8 +448,8 @@ class Trainer:
         items = FeatureItems(train_set, kv=stored_kv)
         val_items = [val_set.load(*ix) for ix in val_set.index()]  # small, read once, every epoch's validation
         total_steps = tc.epochs * math.ceil(len(shard(list(range(len(items))), self.rank, self.world)) / tc.batch_size)
-        if tc.max_steps is not None:
-            total_steps = min(total_steps, tc.max_steps)
+        # the schedule (lr, HASS's restart) is planned over the budget; train.max_steps only stops a sitting early, so
+        # a run stopped by it and resumed ends where one never stopped ends
         logf = self.out / "log.jsonl"
         if step == 0 and self.rank == 0:
             logf.unlink(missing_ok=True)  # a fresh start: the log describes this training's checkpoints only
@@ -511,6 +512,12 @@ class Trainer:
                          if k not in RESUME_FREE and json.dumps(meta["train"].get(k, defaults.get(k))) != json.dumps(v))
         if changed:
             raise SpecbenchError(f"{last} was trained with another budget ({', '.join(changed)} differ): "
+                                 "add train.resume=false to start over, or remove it")
+        was = meta.get("module") or {}
+        other = sorted(k for k in set(was) | set(self.module_options)
+                       if json.dumps(was.get(k), sort_keys=True) != json.dumps(self.module_options.get(k), sort_keys=True))
+        if other:  # a method's own options (HASS's Top-K stage, Beagle's vloss) changed between sittings
+            raise SpecbenchError(f"{last} was trained with other drafter options ({', '.join(other)} differ): "
                                  "add train.resume=false to start over, or remove it")
         state = torch.load(last / "trainer_state.pt", weights_only=True)
         opt.load_state_dict(state["optimizer"])

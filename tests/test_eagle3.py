@@ -63,6 +63,22 @@ def test_draft_vocabulary_is_the_most_frequent_ids_and_maps_back():
     assert set(logits.argmax(-1).tolist()) <= {0, 3, 7, 40, 99}
 
 
+def test_a_resumed_head_marks_its_own_draft_vocabulary(tmp_path):
+    """A trainer's resume loads d2t into a head built with the identity vocabulary (fit_data runs at step 0 only): t2d,
+    which the loss's position mask reads, must follow the loaded d2t (a stored copy of it once stayed the identity)."""
+    from specbench.checkpoints import load_checkpoint, save_checkpoint, target_identity
+
+    target = tiny_target(seed=0)
+    trained = Eagle3Drafter.build_module(target, Eagle3Options(draft_vocab=5))
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    counts[[40, 7, 99, 3, 60]] = 1
+    Eagle3Drafter.fit_data(trained, counts, None)
+    save_checkpoint(tmp_path / "last", trained, target, {"drafter": "eagle3", **target_identity(target)})
+    fresh = Eagle3Drafter.build_module(target, Eagle3Options(draft_vocab=5))
+    load_checkpoint(tmp_path / "last", fresh, target, "eagle3")
+    assert fresh.t2d.nonzero()[:, 0].tolist() == [3, 7, 40, 60, 99]
+
+
 def test_the_loss_is_over_the_draft_vocabulary_and_skips_undraftable_targets():
     """A position whose target top-1 is outside the draft vocabulary adds nothing (the authors' position_mask)."""
     from specbench.train import Batch

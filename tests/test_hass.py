@@ -98,6 +98,9 @@ def test_the_top_k_stage_is_the_authors_second_run():
     assert stages == [(0, 1.0), (1280, 1 / 3)]
     on = [s for s in range(1600) if HassDrafter.topk_on(opts, s / 1600)]
     assert on[0] == 1280 and len(on) == 320
+    for total in range(5, 60):  # any budget (0.8 x total not whole): the term and the restart begin at one step
+        first = stage_starts(HassDrafter.restarts(opts), total)[1][0]
+        assert [s for s in range(total) if HassDrafter.topk_on(opts, s / total)][0] == first
     tc = TrainConfig(lr=3e-4, warmup_steps=20, lr_schedule="cosine")
     assert scheduled_lr(1279, tc, 1600, stages) < 3e-4 * 0.1  # the first stage decays to ~0 at its own end
     assert scheduled_lr(1280, tc, 1600, stages) == pytest.approx(1e-4 / 20)  # warm-up again, to 1e-4

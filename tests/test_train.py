@@ -1,6 +1,7 @@
 """The training pipeline on a tiny target: conversations and loss masks, feature shards, the trainer (validation
 logs, checkpoints, resume, target-fingerprint refusal) and DDP with two CPU processes (gloo)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -191,6 +192,19 @@ def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file
     # another budget must not continue (or, finished, stand in for) this training
     with pytest.raises(SpecbenchError, match=r"another budget \(warmup_steps differ\)"):
         Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3", "train.warmup_steps=3")).run()
+    # nor other options of the method itself (HASS's Top-K stage, Beagle's vloss, here Medusa's decay)
+    with pytest.raises(SpecbenchError, match=r"other drafter options \(decay differ\)"):
+        Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3", "drafter.module.decay=0.5")).run()
+
+
+def test_make_train_lists_every_trainable_drafter_after_the_weights_it_starts_from():
+    """`make train`'s list (specbench/trainable.py) reads the drafter YAMLs' checkpoint paths, which name the weights
+    root through ${oc.env:SPECBENCH_WEIGHTS,weights}: once it matched only a bare `weights/`, and listed nothing."""
+    from specbench.trainable import trainable_drafters
+
+    names = trainable_drafters()
+    assert set(names) == {"beagle", "coral", "coral_router", "eagle", "eagle3", "hass", "medusa", "moa", "moa_tli1", "sd"}
+    assert names.index("coral") < names.index("coral_router")
 
 
 @pytest.mark.parametrize("drafter,stop", [("eagle", "kill"), ("moa", "kill"), ("moa", "kill_no_saves_inside"),
@@ -206,8 +220,8 @@ def test_a_stopped_training_resumes_at_its_last_save_with_the_same_weights(make_
     inside = stop != "kill_no_saves_inside"
     over = train_overrides(tmp_path, sharegpt_file, **{"train.save_every_min": 0 if inside else "null",
                                                        "train.noise": "uniform", "train.noise_scale": 0.1,
-                                                       # (a cosine schedule is planned over max_steps when it is set)
-                                                       "train.lr_schedule": "constant"})
+                                                       # planned over the budget, whatever max_steps stops
+                                                       "train.lr_schedule": "cosine", "train.warmup_steps": 2})
     whole = Trainer(make_cfg(f"drafter={drafter}", *over, f"train.out_dir={tmp_path / 'whole'}")).run()
     real_step, calls = Trainer._step, []
 
@@ -592,7 +606,7 @@ def test_a_restart_starts_a_fresh_optimiser_and_schedule(make_cfg, tmp_path, sha
     final = Trainer(make_cfg("drafter=hass", *train_overrides(tmp_path, sharegpt_file, **{"train.lr": 3e-3}))).run()
     rows = [r for r in read_jsonl(final.parent / "log.jsonl") if r["kind"] == "train"]
     total = rows[-1]["step"]
-    first = round(0.8 * total)
+    first = math.ceil(0.8 * total - 1e-9)  # stage_starts: the first step whose progress reaches 0.8
     state = torch.load(final.parent / "last" / "trainer_state.pt", weights_only=True)["optimizer"]["state"]
     assert {int(s["step"]) for s in state.values()} == {total - first}
     lr = {r["step"]: r["lr"] for r in rows}  # the lr the step ran with (logged after it)
