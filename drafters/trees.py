@@ -171,6 +171,8 @@ class DynamicTree:
     (papers/003 Sec. 4.1), its settings "primarily identical" to the HASS / EAGLE-2 code's (default --depth 5).
     Beagle's "depth=1+6" (papers/000 Sec. 5.1, EAGLE-2's hyperparameters) is read as the root plus 6 drafted levels:
     depth 6 here (were it the code's --depth 6, it would be 7 here). conf/tree/dynamic.yaml points here.
+    `total_tokens` differs by one from the authors' (README "Deviations"): their code keeps total_tokens - 1 drafted
+    nodes (the root makes it total_tokens verified), this class keeps total_tokens.
     Grown with tensor ops on the drafter's device (selection, expansion and rerank), as the authors' depth loop."""
 
     def __init__(self, depth: int = 6, topk: int = 10, total_tokens: int = 60, **_):
