@@ -182,7 +182,7 @@ class BeagleDrafter(TrainableDrafter):
 
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
-        self.kv = self.new_kv(state.tokens.shape[1] + 1024)
+        self.kv = self.new_kv(state.cache_positions)
         self.verified = 0
         self.pending = state.hidden  # true states of positions 0 .. L-1; the root t_L has none yet
 

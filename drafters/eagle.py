@@ -222,7 +222,7 @@ class EagleDrafter(TrainableDrafter):
 
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
-        self.cache = self.target.drafter_cache(self.head.body.config, state.tokens.shape[1] + 1024, self.head.body)
+        self.cache = self.target.drafter_cache(self.head.body.config, state.cache_positions, self.head.body)
         self.verified = 0
         self.pending = (state.hidden, state.tokens[:, 1:])  # pairs (f_i, t_{i+1}), i = 0 .. L-1
 

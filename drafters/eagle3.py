@@ -436,7 +436,7 @@ class Eagle3Drafter(TrainableDrafter):
     # ---- decoding -------------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState) -> None:
         # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer)
-        self.past = self.target.drafter_kv(state.tokens.shape[1] + 1024)
+        self.past = self.target.drafter_kv(state.cache_positions)
         self.pending = (state.layers, state.tokens[:, 1:])  # pairs (features_i, t_{i+1}), i = 0 .. L-1
 
     @torch.inference_mode()

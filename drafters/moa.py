@@ -371,7 +371,7 @@ class MoADrafter(TrainableDrafter):
     # ---- decoding side -------------------------------------------------------------------------------------------
     def prefill(self, state: TargetState | None) -> None:
         self.reset()
-        size = (0 if state is None else state.tokens.shape[1]) + 1024
+        size = 1024 if state is None else state.cache_positions
         self.ca_kv = self.new_kv(size)
         self.sa_cache = Cache(layers=[self.new_kv(size)])  # the SA layer is layer 0
         self.tli_kv = [self.new_kv(size) for _ in range(self.net.tli)]

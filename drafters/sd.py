@@ -195,7 +195,7 @@ class IndependentDrafter(TrainableDrafter):
         text = cfg.get_text_config()
         plain = (getattr(text, "logits_scaling", 1.0) in (None, 1.0)
                  and not any(getattr(text, k, None) for k in ("logit_scale", "final_logit_softcapping")))
-        self.cache = self.new_cache(cfg, state.tokens.shape[1] + 1024, self.model.get_decoder() if plain else None)
+        self.cache = self.new_cache(cfg, state.cache_positions, self.model.get_decoder() if plain else None)
         self.cached = 0
 
     def _logits(self, ids: torch.Tensor, last: bool, **kw) -> torch.Tensor:

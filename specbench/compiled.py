@@ -15,6 +15,7 @@ On CUDA with inductor, mode reduce-overhead captures each graph as a CUDA graph.
 """
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -23,6 +24,8 @@ from torch import nn
 from specbench.errors import SpecbenchError
 from specbench.kvcache import StaticCache
 from specbench.tree import tree_attention_mask
+
+log = logging.getLogger("specbench")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # tree forwards padded to these row counts (one graph each)
 STATIC_BLOCK = 256  # static caches, and the context attention reads, in blocks of this many positions
@@ -43,6 +46,14 @@ def torch_compile(fn, device: torch.device, backend: bool | str):
     return torch.compile(fn, dynamic=False, backend=name, mode="reduce-overhead" if cuda_graphs else None)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's counter): a run counts those built in its
+    timed turns."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 class CompiledDecoder:
     """One decoder (an HF base model: layers and final norm, no LM head) compiled for tree forwards on its static
     caches. `new_cache` hands out the cache the graphs are built on: one, reused across generations, replaced by a
@@ -53,6 +64,7 @@ class CompiledDecoder:
         self.config, self.device = config, device
         self.step = torch_compile(self._step, device, backend)
         self._cache: StaticCache | None = None
+        self.warned = False  # a forward of more rows than the largest bucket was logged
 
     @property
     def capacity(self) -> int:
@@ -98,6 +110,9 @@ class CompiledDecoder:
             chain = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
             attention_mask = tree_attention_mask(chain, n, dtype)
         pad = next((k for k in BUCKETS if k >= q), None) if n > 0 else None  # a prefill (n = 0) is not compiled
+        if pad is None and n > 0 and not self.warned:  # a tree past the largest bucket: said, not hidden
+            self.warned = True
+            log.warning("model.compile: a forward of %d rows (more than %d) runs eagerly", q, max(BUCKETS))
         rows = q if pad is None else pad
         width = cache.begin(rows, STATIC_BLOCK)
         mask = attention_mask.new_full((b, 1, rows, width), torch.finfo(attention_mask.dtype).min)

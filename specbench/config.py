@@ -73,6 +73,7 @@ class DecodingConfig:
 class BenchConfig:
     repeats: int = 1  # every question is decoded this many times (timing statistics)
     warmup: int = 1  # untimed generations before the first timed one
+    warm_pass: bool | None = None  # decode the whole set once, untimed, before the timed pass (None: with model.compile)
     baseline: bool = True  # run (or resume) the drafter=none run of the same config first, for speedup + lossless
 
 

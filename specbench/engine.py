@@ -125,7 +125,7 @@ class Engine:
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
 
     def _state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, generator,
-               layers: torch.Tensor | None = None) -> TargetState:
+               layers: torch.Tensor | None = None, capacity: int = 0) -> TargetState:
         needs = self.drafter.needs
         return TargetState(
             tokens=tokens,
@@ -134,6 +134,7 @@ class Engine:
             layers=layers if LAYERS in needs else None,
             sampling=self.sampling,
             generator=generator,
+            capacity=capacity,
         )
 
     def _first_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -169,13 +170,14 @@ class Engine:
         t0 = time.perf_counter()
         # the positions this generation can reach: prompt, new tokens, and one tree past them before compaction
         need = len(prompt_ids) + max_new_tokens + 256
-        cache = target.new_cache(min(need, context) if context else need)  # the context bounds it; it is not the need
+        capacity = min(need, context) if context else need  # the context bounds it; it is not the need
+        cache = target.new_cache(capacity)
         layers = tuple(drafter.hidden_layers) if LAYERS in drafter.needs else ()  # EAGLE-3's low/middle/high
         fwd = target.prefill(prompt, cache, layers=layers)
         first = self._first_token(fwd.logits[0, -1], generator)
         tokens = torch.cat([prompt, torch.tensor([[first]], device=dev)], dim=1)
         out = [first]
-        state = self._state(tokens, fwd.hidden, cache, generator, fwd.layers)
+        state = self._state(tokens, fwd.hidden, cache, generator, fwd.layers, capacity)
         drafter.prefill(state)
         sync(devs)
         gen = Generation(new_tokens=out, prompt_tokens=len(prompt_ids), wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -226,7 +228,7 @@ class Engine:
             new = torch.cat([node_tok[keep], acc.next_token[None]])  # [A+1] == emitted (not cut: not done)
             tokens = torch.cat([tokens, new[None]], dim=1)
             state = self._state(tokens, fwd.hidden[:, rows], cache, generator,
-                                None if fwd.layers is None else fwd.layers[:, rows])
+                                None if fwd.layers is None else fwd.layers[:, rows], capacity)
             result = VerifyResult(
                 accepted_nodes=path,
                 accepted_tokens=[node_tokens[i] for i in path],
@@ -243,13 +245,14 @@ class Engine:
 
     # ---- batched decoding (issue 29) ----------------------------------------------------------------------------
     def _row_state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, row: int, length: int, generator,
-                   layers: torch.Tensor | None) -> TargetState:
+                   layers: torch.Tensor | None, capacity: int) -> TargetState:
         """What the drafter of one batch row reads: its tokens [1, T], its rows of the step's hidden states and its
-        `length` entries of the ragged target cache."""
+        `length` entries of the ragged target cache (of `capacity` positions a row)."""
         needs = self.drafter.needs
         return TargetState(tokens=tokens, hidden=hidden if HIDDEN in needs else None,
                            kv=row_kv(cache, row, length, self.target.device) if KV in needs else None,
-                           layers=layers if LAYERS in needs else None, sampling=self.sampling, generator=generator)
+                           layers=layers if LAYERS in needs else None, sampling=self.sampling, generator=generator,
+                           capacity=capacity)
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
@@ -278,7 +281,8 @@ class Engine:
         t0 = time.perf_counter()
         # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says
         need = width + max(budgets) + 256
-        cache = PreallocatedCache(target.model.config, min(need, context) if context else need)
+        capacity = min(need, context) if context else need
+        cache = PreallocatedCache(target.model.config, capacity)
         layers = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()
         # right-padded prompts under the causal mask: a real token never sees the padding after it
         ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [B, L]
@@ -295,7 +299,7 @@ class Engine:
         states = {}
         for i in range(b):
             states[i] = self._row_state(tokens[i], fwd.hidden[i : i + 1, : lens[i]], cache, i, lens[i], generators[i],
-                                        None if fwd.layers is None else fwd.layers[i : i + 1, : lens[i]])
+                                        None if fwd.layers is None else fwd.layers[i : i + 1, : lens[i]], capacity)
             drafters[i].prefill(states[i])
         sync(devs)
         batch = BatchGeneration(rows=gens, wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -392,7 +396,8 @@ class Engine:
                 keep = keeps[src]
                 rows = torch.cat([keep.new_zeros(1), keep + 1])
                 states[i] = self._row_state(tokens[i], fwd.hidden[src : src + 1, rows], cache, r, prefix[r],
-                                            generators[i], None if fwd.layers is None else fwd.layers[src : src + 1, rows])
+                                            generators[i], None if fwd.layers is None else fwd.layers[src : src + 1, rows],
+                                            capacity)
                 node_tokens, _, path, next_token, recovered = outcome[src]
                 drafters[i].on_verified(VerifyResult(
                     accepted_nodes=path, accepted_tokens=[node_tokens[j] for j in path], next_token=next_token,

@@ -160,7 +160,7 @@ def compare_variant(runner: Runner, cfg: DictConfig, rope_theta: float | None, w
         mc = ModelConfig(**{**OmegaConf.to_container(cfg.model, resolve=True), "path": str(tdir),
                             "gguf_package": None, "name": f"{runner.model_cfg.name}@{label}"})
         model, tok, device = load_model(mc)
-        target = TargetModel(model, tok, device, mc.name)
+        target = TargetModel(model, tok, device, mc.name, cache=mc.cache, compile=mc.compile)  # as the run's target
     params = runner.decoding.sampling()
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     eagle = instantiate({**inference_spec(cfg.drafter), "checkpoint": str(head_dir)}, target=target, _convert_="object")

@@ -566,8 +566,9 @@ def vocab_report(exp_dir: Path, table: VocabTable) -> list[Path]:
 
 
 def batch_key(summary: dict, head: dict) -> tuple:
-    """The batch_sweep table's cell: (drafter, dataset, none | paper | auto, B)."""
-    return (*tree_key(summary, head), int(head["config"]["decoding"].get("batch_size", 1)))
+    """The batch_sweep table's cell: (drafter, dataset, none | paper | auto, B, temperature): the table reads T=0."""
+    return (*tree_key(summary, head), int(head["config"]["decoding"].get("batch_size", 1)),
+            float(summary["temperature"]))
 
 
 def below_one(speedups: dict[int, float | None]) -> str:
@@ -586,7 +587,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
     written = []
     for setting, cells in sorted(by_setting.items()):
         stem = file_stem(setting, by_setting)
-        sizes = sorted({k[3] for k in cells})
+        sizes = sorted({k[3] for k in cells if k[4] == 0})
         present = {k[1] for k in cells}
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
@@ -595,16 +596,17 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
         for ds in datasets:
             for d in drafters:
                 for variant in ("paper", "auto"):
-                    runs = {b: cells.get((d, ds, variant, b)) for b in sizes}
+                    runs = {b: cells.get((d, ds, variant, b, 0.0)) for b in sizes}
                     if not any(runs.values()):
                         continue
-                    rows.append([d, ds, variant] + [MISSING if r is None else f"{cell(r, 'spu')} ({cell(r, 'tau')})"
+                    rows.append([d, ds, variant] + [MISSING if r is None else
+                                                    f"{cell(r, 'spu')} ({cell(r, 'tau')}){_unequal(r)}"
                                                     for r in runs.values()]
                                 + [below_one({b: value(r, "spu") for b, r in runs.items()})])
         base_head = ["dataset"] + [f"B={b}" for b in sizes]
         base_rows = []
         for ds in datasets:
-            bases = {b: cells.get(("none", ds, "none", b)) for b in sizes}
+            bases = {b: cells.get(("none", ds, "none", b, 0.0)) for b in sizes}
             one = _token_ids(exp_dir, bases.get(1))
             base_rows.append([f"{ds}: throughput (tokens/s)"] + [cell(r, "speed") for r in bases.values()])
             base_rows.append([f"{ds}: peak memory (GiB)"] + [cell(r, "mem") for r in bases.values()])
@@ -614,15 +616,25 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                    f"decoded together, each row its own tree, one target forward verifying all rows; speed = the "
                    f"batch's throughput), T=0, at each drafter's paper tree and at tree=auto sized per B (the cost "
                    f"model times B x (tree + 1) tokens per forward and B drafters per step); {setting.describe()}. "
-                   f"{provenance(used) if used else 'no runs yet'}.")
+                   f"'≠k/n': k of the n compared turns differ from the baseline's at the same B (at B > 1 left "
+                   f"unclassified: the near-tie replays run at batch 1). {provenance(used) if used else 'no runs yet'}.")
         md = md_table(caption, head, rows) + [""] + md_table(
             "The baseline per batch size: throughput, peak memory, and its turns whose output differs from its own "
-            "batch-1 output (rounding of batched matmuls; each drafter is compared with the baseline at its own B).",
+            "batch-1 output (B = 1 decodes through Engine.generate on model.cache, B > 1 through generate_batch on a "
+            "preallocated cache with explicit masks: a difference is the rounding of batched matmuls or of the other "
+            "path; each drafter is compared with the baseline at its own B).",
             base_head, base_rows)
         written.append(write_md(exp_dir / f"{table.name}.{stem}.md", md))
         if figure:
             figure_batch(cells, sizes, datasets[0] if datasets else None, exp_dir / f"batch.{stem}.png")
     return written
+
+
+def _unequal(run: dict) -> str:
+    """' ≠k/n' when k of a run's n compared turns differ from its baseline's output (none: '')."""
+    ll = run.get("lossless") or {}
+    n, k = ll.get("compared") or 0, (ll.get("compared") or 0) - (ll.get("matches") or 0)
+    return f" ≠{k}/{n}" if k else ""
 
 
 def _token_ids(exp_dir: Path, run: dict | None) -> dict | None:
@@ -646,7 +658,7 @@ def figure_batch(cells: dict, sizes: list[int], dataset: str | None, path: Path)
     drafters = sorted({k[0] for k in cells if k[0] != "none" and k[1] == dataset})
     for i, d in enumerate(drafters):
         for variant, style in (("paper", "-"), ("auto", "--")):
-            pts = [(b, value(cells.get((d, dataset, variant, b)), "spu")) for b in sizes]
+            pts = [(b, value(cells.get((d, dataset, variant, b, 0.0)), "spu")) for b in sizes]
             pts = [(b, v) for b, v in pts if v is not None]
             if pts:
                 ax.plot(*zip(*pts), style, marker="o", ms=3, color=f"C{i % 10}", label=f"{d} ({variant})")
@@ -660,39 +672,55 @@ def figure_batch(cells: dict, sizes: list[int], dataset: str | None, path: Path)
 
 
 def compiled_key(summary: dict, head: dict) -> tuple:
-    """The two_baselines table's cell: (drafter, dataset, compiled or not)."""
-    return summary["drafter"], summary["dataset"], bool((head.get("model_identity") or {}).get("compile"))
+    """The two_baselines table's cell: (drafter, dataset, compiled or not, temperature, cache kind: model.cache, or
+    `static` when compiled), so that runs of another temperature or cache never overwrite one another."""
+    compiled = bool((head.get("model_identity") or {}).get("compile"))
+    cache = "static" if compiled else head["config"]["model"].get("cache", "dynamic")
+    return summary["drafter"], summary["dataset"], compiled, float(summary["temperature"]), cache
 
 
 def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
     """Each drafter's speedup against the eager baseline (the papers' comparison) and against the compiled one
-    (model.compile: a baseline with less overhead per step), τ of both runs side by side (the same tokens: τ should be
-    equal), and the share of the eager speedup that survives the compiled baseline. conf/experiment/two_baselines.yaml."""
+    (model.compile: a baseline with less overhead per step), τ of both runs side by side with the turns whose tokens
+    differ between them (compiled kernels may round differently: τ then differs too, and 'speedup kept' mixes the two),
+    and the share of the eager speedup that survives the compiled baseline. conf/experiment/two_baselines.yaml."""
     by_setting = load_runs(exp_dir, compiled_key)
     written = []
     for setting, cells in sorted(by_setting.items()):
         present = {k[1] for k in cells}
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
-        head = ["method", "dataset", "τ eager", "τ compiled", "eager vs eager baseline", "compiled vs compiled baseline",
-                "eager vs compiled baseline", "speedup kept"]
+        variants = sorted({(k[3], k[4]) for k in cells if not k[2]})  # (temperature, eager cache)
+        head = ["method", "dataset", "τ eager", "τ compiled", "turns ≠ (eager vs compiled)", "eager vs eager baseline",
+                "compiled vs compiled baseline", "eager vs compiled baseline", "speedup kept"]
         rows = []
         for ds in datasets:
-            base_e, base_c = cells.get(("none", ds, False)), cells.get(("none", ds, True))
-            rows.append(["none (tokens/s)", ds, "", "", cell(base_e, "speed"), cell(base_c, "speed"), "", ""])
-            for d in drafters:
-                e, c = cells.get((d, ds, False)), cells.get((d, ds, True))
-                cross = (value(e, "speed") / value(base_c, "speed")
-                         if value(e, "speed") and value(base_c, "speed") else None)
-                spu_c = value(c, "spu")
-                kept = spu_c / value(e, "spu") if spu_c and value(e, "spu") else None
-                rows.append([d, ds, cell(e, "tau"), cell(c, "tau"), cell(e, "spu"), cell(c, "spu"),
-                             MISSING if cross is None else f"{cross:.2f}x", MISSING if kept is None else f"{kept:.0%}"])
+            for temp, kind in variants:
+                label = ds if variants == [(0.0, "dynamic")] else f"{ds} (T={temp:g}, eager: {kind} cache)"
+                runs = {d: (cells.get((d, ds, False, temp, kind)), cells.get((d, ds, True, temp, "static")))
+                        for d in ["none", *drafters]}
+                base_e, base_c = runs["none"]
+                rows.append(["none (tokens/s)", label, "", "", _differ(_token_ids(exp_dir, base_e),
+                                                                       _token_ids(exp_dir, base_c)) if temp == 0 else "",
+                             cell(base_e, "speed"), cell(base_c, "speed"), "", ""])
+                for d in drafters:
+                    e, c = runs[d]
+                    cross = (value(e, "speed") / value(base_c, "speed")
+                             if value(e, "speed") and value(base_c, "speed") else None)
+                    spu_c = value(c, "spu")
+                    kept = spu_c / value(e, "spu") if spu_c and value(e, "spu") else None
+                    rows.append([d, label, cell(e, "tau"), cell(c, "tau"),
+                                 _differ(_token_ids(exp_dir, e), _token_ids(exp_dir, c)) if temp == 0 else "",
+                                 cell(e, "spu"), cell(c, "spu"),
+                                 MISSING if cross is None else f"{cross:.2f}x", MISSING if kept is None else f"{kept:.0%}"])
         used = list(cells.values())
-        caption = (f"Every drafter against two baselines, T=0; {setting.describe()}: the eager one (the papers' "
+        caption = (f"Every drafter against two baselines; {setting.describe()}: the eager one (the papers' "
                    f"comparison, every other table's) and the compiled one (model.compile: the target's forwards "
-                   f"through torch.compile over a static cache, CUDA graphs on a GPU; the drafters stay eager). "
-                   f"'speedup kept': compiled-vs-compiled over eager-vs-eager. {provenance(used) if used else 'no runs'}.")
+                   f"through torch.compile over a static cache, CUDA graphs on a GPU; EAGLE's head and sd's draft "
+                   f"model compiled the same way, the other drafters' modules eager). 'turns ≠': T=0 turns whose "
+                   f"tokens differ between the eager and the compiled run (where any do, τ may differ and 'speedup "
+                   f"kept' mixes τ with speed). 'speedup kept': compiled-vs-compiled over eager-vs-eager. "
+                   f"{provenance(used) if used else 'no runs'}.")
         md = md_table(caption, head, rows)
         written.append(write_md(exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md", md))
     return written
@@ -711,12 +739,18 @@ def question_speeds(run_dir: Path) -> tuple[list[float], list[int]]:
     return [t / w for t, w in per_q.values() if w > 0], steps
 
 
+def board_key(summary: dict, head: dict) -> tuple:
+    """The board's cell: (drafter, dataset, temperature, B). The board reads batch 1, as Spec-Bench measures: a
+    batched run's rows share one clock, so per-question tokens/s would count the batch's time once per row."""
+    return *cell_key(summary, head), int(head["config"]["decoding"].get("batch_size", 1))
+
+
 def board_report(exp_dir: Path, table: BoardTable) -> list[Path]:
     """Spec-Bench's leaderboard in its own columns: per task the speedup (the mean per-question tokens/s of the
     method over the baseline's, as its evaluation/speed.py computes it), the mean accepted tokens per step over all
     tasks and the overall speedup (the same ratio over every question of the six tasks); then the published board
     it mirrors, marked as another target and device."""
-    by_setting = load_runs(exp_dir)
+    by_setting = load_runs(exp_dir, board_key)
     written = []
     mean = lambda xs: sum(xs) / len(xs)
     for setting, cells in sorted(by_setting.items()):
@@ -725,7 +759,7 @@ def board_report(exp_dir: Path, table: BoardTable) -> list[Path]:
         for name in table.drafters:
             row, speeds, base_speeds, steps = [name], [], [], []
             for _, ds in table.columns:
-                run = cells.get((name, ds, 0.0))
+                run = cells.get((name, ds, 0.0, 1))
                 base = run and run.get("baseline_run") and exp_dir / run["baseline_run"]
                 if not run or not base or not (base / "records.jsonl").is_file():
                     row.append(MISSING)

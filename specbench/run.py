@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from specbench.drafter import Drafter, NoDrafter
 from specbench import divergence, envinfo, failures
 from specbench.cli import CONF_DIR, cli, config_hash, fail
+from specbench.compiled import compiled_graphs
 from specbench.divergence import first_divergence
 from specbench.config import BenchConfig, DatasetConfig, DecodingConfig, ModelConfig, register_schema, to_dataclass
 from specbench.data import Question, load_questions
@@ -176,6 +178,10 @@ class Runner:
         if self.bench.repeats < 1 or self.bench.warmup < 0:
             raise SpecbenchError("bench.repeats must be >= 1 and bench.warmup >= 0")
         self.questions = load_questions(self.dataset_cfg)
+        if self.decoding.batch_size > len(self.questions):  # the table would show B while fewer rows were decoded
+            raise SpecbenchError(f"decoding.batch_size={self.decoding.batch_size} needs at least that many questions: "
+                                 f"{self.dataset_cfg.name} has {len(self.questions)} here (dataset.limit="
+                                 f"{self.dataset_cfg.limit}); give dataset.limit={self.decoding.batch_size} or more")
         model, tok, device = load_model(self.model_cfg)
         self.target = TargetModel(model, tok, device, self.model_cfg.name, cache=self.model_cfg.cache,
                                   compile=self.model_cfg.compile)
@@ -353,45 +359,73 @@ class Runner:
                 engine.generate_batch([ids] * size, min(self.budget(len(ids)), 32), [rng] * size, context)
         groups = batches(todo, self.questions, size)
         total = sum(len(q.turns) for _, q in todo)
+        warm_pass = self.bench.warm_pass if self.bench.warm_pass is not None else self.target.compiled is not None
+        if warm_pass:
+            # model.compile builds a graph per (tree bucket, context block) and its static caches at the largest size
+            # a turn needs: decoding the whole set once, untimed, builds every one the timed pass will use
+            with tqdm(total=total, desc=f"{label} warm pass", unit="turn", dynamic_ncols=True) as bar:
+                for group in groups:
+                    for turn in self._turns(engine, group, context):
+                        bar.update(len(turn.members))
+        graphs = timed_from = compiled_graphs()
         with tqdm(total=total, desc=f"{label} {self.dataset_cfg.name}", unit="turn", dynamic_ncols=True) as bar:
             for group in groups:
-                answers: dict[str, list[str]] = {q.question_id: [] for _, q in group}
                 rows: dict[str, list[dict]] = {q.question_id: [] for _, q in group}
-                for turn in range(max(len(q.turns) for _, q in group)):
-                    members = [(r, q) for r, q in group if turn < len(q.turns)]
-                    prompts = [self.prompt_ids(q, turn, answers[q.question_id]) for _, q in members]
-                    budgets = [self.budget(len(ids)) for ids in prompts]
-                    rngs = [torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, r, q.question_id, turn))
-                            for r, q in members]
-                    live = [i for i, b in enumerate(budgets) if b > 0]
-                    mem.reset()
-                    gens: dict[int, Generation] = {}
-                    batch = None
-                    if size == 1 and live:
-                        gens[0] = engine.generate(prompts[0], budgets[0], rngs[0], context)
-                    elif live:
-                        out = engine.generate_batch([prompts[i] for i in live], [budgets[i] for i in live],
-                                                    [rngs[i] for i in live], context)
-                        gens = dict(zip(live, out.rows))
-                        batch = {"id": f"{members[0][0]}/{members[0][1].question_id}/{turn}", "size": len(live),
-                                 "wall_s": out.wall_s, "steps": out.steps}
-                    peak = mem.read()
-                    for i, (repeat, q) in enumerate(members):
+                for turn in self._turns(engine, group, context, mem):
+                    built = compiled_graphs() - graphs  # graphs compiled inside this timed turn (model.compile)
+                    graphs += built
+                    for i, (repeat, q) in enumerate(turn.members):
                         # the conversation so far fills the context: nothing to decode
-                        g = gens.get(i) or Generation(new_tokens=[], prompt_tokens=len(prompts[i]), wall_s=0.0,
-                                                      prefill_s=0.0)
+                        g = turn.gens.get(i) or Generation(new_tokens=[], prompt_tokens=len(turn.prompts[i]),
+                                                           wall_s=0.0, prefill_s=0.0)
                         qrows = rows[q.question_id]
-                        row = self._turn_record(q, turn, repeat, g, peak, prompts[i], budgets[i], reference, engine,
-                                                context, diverged=any(r["first_divergence"] is not None for r in qrows))
-                        if batch is not None and i in gens:
-                            row["batch"] = batch
+                        row = self._turn_record(q, turn.turn, repeat, g, turn.peak, turn.prompts[i], turn.budgets[i],
+                                                reference, engine, context,
+                                                diverged=any(r["first_divergence"] is not None for r in qrows))
+                        if turn.batch is not None and i in turn.gens:
+                            row["batch"] = turn.batch
+                        if self.target.compiled is not None:
+                            row["graphs_compiled"] = built
                         qrows.append(row)
-                        answers[q.question_id].append(self.target.tokenizer.decode(g.new_tokens,
-                                                                                   skip_special_tokens=True).strip())
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{row['tokens_per_s'] or 0:.1f}", tau=f"{g.tau:.2f}")
                 # all turns of a question at once: resume never sees half a conversation
                 run_dir.append([row for _, q in group for row in rows[q.question_id]])
+        if self.target.compiled is not None and compiled_graphs() > timed_from:
+            log.warning("%s: %d graphs were compiled inside timed turns (their compile time is in the run's speed; "
+                        "their records say which: graphs_compiled; bench.warm_pass=true builds them untimed first)",
+                        run_dir.path, compiled_graphs() - timed_from)
+
+    def _turns(self, engine: Engine, group: list, context: int | None, mem: PeakMemory | None = None):
+        """Decode one batch group's conversations turn by turn (a later turn's prompt holds the question's earlier
+        answers); yields each turn's DecodedTurn. `mem`: peak memory measured per turn."""
+        dev, size = self.target.device, self.decoding.batch_size
+        answers: dict[str, list[str]] = {q.question_id: [] for _, q in group}
+        for turn in range(max(len(q.turns) for _, q in group)):
+            members = [(r, q) for r, q in group if turn < len(q.turns)]
+            prompts = [self.prompt_ids(q, turn, answers[q.question_id]) for _, q in members]
+            budgets = [self.budget(len(ids)) for ids in prompts]
+            rngs = [torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, r, q.question_id, turn))
+                    for r, q in members]
+            live = [i for i, b in enumerate(budgets) if b > 0]
+            if mem is not None:
+                mem.reset()
+            gens: dict[int, Generation] = {}
+            batch = None
+            if size == 1 and live:
+                gens[0] = engine.generate(prompts[0], budgets[0], rngs[0], context)
+            elif live:
+                out = engine.generate_batch([prompts[i] for i in live], [budgets[i] for i in live],
+                                            [rngs[i] for i in live], context)
+                gens = dict(zip(live, out.rows))
+                batch = {"id": f"{members[0][0]}/{members[0][1].question_id}/{turn}", "size": len(live),
+                         "wall_s": out.wall_s, "steps": out.steps}
+            peak = mem.read() if mem is not None else {}
+            yield DecodedTurn(turn, members, prompts, budgets, gens, batch, peak)
+            for i, (_, q) in enumerate(members):
+                g = gens.get(i)
+                answers[q.question_id].append(
+                    self.target.tokenizer.decode(g.new_tokens if g else [], skip_special_tokens=True).strip())
 
     def _turn_record(self, q: Question, turn: int, repeat: int, g: Generation, mem: dict, ids: list[int], budget: int,
                      reference: dict, engine: Engine, context: int | None, diverged: bool) -> dict:
@@ -429,6 +463,19 @@ class Runner:
             "matches_baseline": None if ref is None else ref == g.new_tokens,
             "first_divergence": None if ref is None else first_divergence(g.new_tokens, ref),
         }
+
+
+@dataclass
+class DecodedTurn:
+    """One turn of a batch group's conversations, decoded (Runner._turns)."""
+
+    turn: int
+    members: list  # (repeat, Question) decoded at this turn
+    prompts: list[list[int]]  # each member's prompt ids
+    budgets: list[int]  # each member's new-token budget (0: the context is full, nothing decoded)
+    gens: dict[int, Generation]  # member index -> its generation (members with a budget)
+    batch: dict | None  # the batch's id, size, wall and steps (decoding.batch_size > 1)
+    peak: dict  # peak memory over the turn (the timed pass)
 
 
 def batches(todo: list[tuple[int, Question]], questions: list[Question], size: int) -> list[list[tuple[int, Question]]]:

@@ -73,10 +73,17 @@ class TargetState:
     #                                    low/middle/high features), rows as `hidden`'s; only for drafters needing LAYERS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None  # the run's RNG, for drafters that sample at T>0
+    capacity: int = 0  # positions the target's cache holds in this generation (prompt + budget + a tree; 0: not said)
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def cache_positions(self) -> int:
+        """Positions a drafter's own cache is sized to: the target cache's, so that neither reallocates inside the
+        generation (a state built without one, in tests: the tokens so far + 1024)."""
+        return self.capacity or self.num_tokens + 1024
 
 
 @dataclass

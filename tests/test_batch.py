@@ -47,14 +47,35 @@ def test_batch_of_one_is_generate():
                                                                           ref.tree_sizes)
 
 
-def test_eos_inside_an_accepted_path_ends_only_its_row():
+def eos_target() -> tuple:
+    """A tiny target whose EOS is a token its greedy output for PROMPTS[0] reaches at position k >= 8."""
     free = hf_greedy(target_for().model, PROMPTS[0], 40)
     k = next(i for i in range(8, 40) if free[i] not in free[:i])
-    t = target_for(eos=free[k])
+    return target_for(eos=free[k]), free, k
+
+
+def test_eos_inside_an_accepted_path_ends_only_its_row():
+    t, free, k = eos_target()
     refs = [hf_greedy(t.model, p, 40) for p in PROMPTS]
-    batch = Engine(t, RandomTreeDrafter(128, free, seed=1), SamplingParams()).generate_batch(PROMPTS, 40)
-    assert [r.new_tokens for r in batch.rows] == refs
-    assert batch.rows[0].new_tokens == free[: k + 1] and batch.rows[0].stopped_by == "eos"
+    inside = []
+    for seed in range(1, 9):
+        batch = Engine(t, RandomTreeDrafter(128, free, seed=seed), SamplingParams(), trace=True).generate_batch(
+            PROMPTS, 40)
+        assert [r.new_tokens for r in batch.rows] == refs
+        row = batch.rows[0]
+        assert row.new_tokens == free[: k + 1] and row.stopped_by == "eos"
+        # the EOS was an accepted drafted node (not the bonus token) when the last step emitted no more tokens than
+        # its accepted path holds
+        inside.append(row.tokens_per_step[-1] <= len(row.trace[-1].path))
+    assert any(inside)
+
+
+@pytest.mark.parametrize("name", DRAFTER_CONFIGS)
+def test_every_drafter_batched_stops_each_row_at_its_eos(name):
+    t, _, _ = eos_target()
+    batch = Engine(t, make_drafter(name, t), SamplingParams()).generate_batch(PROMPTS, 40)
+    assert [r.new_tokens for r in batch.rows] == [hf_greedy(t.model, p, 40) for p in PROMPTS]
+    assert batch.rows[0].stopped_by == "eos"
 
 
 def test_one_engine_read_per_step():
@@ -95,19 +116,24 @@ def test_compact_rows_keeps_each_rows_accepted_entries():
     cache = PreallocatedCache(tiny_llama(layers=2).config, 32)
     layer = cache.layers[0]
     k = torch.arange(2 * 2 * 10 * 8, dtype=torch.float32).reshape(2, 2, 10, 8)
-    for lay in cache.layers:
-        lay.update(k[:, :, :4], k[:, :, :4])
+    kv = {i: (k + 1000 * i, -k - 1000 * i) for i in range(len(cache.layers))}  # every layer's K and V its own
+    for i, lay in enumerate(cache.layers):
+        lay.update(kv[i][0][:, :, :4], kv[i][1][:, :, :4])
     cache.set_row_lengths([4, 2])  # ragged: row 1 holds 2 entries
-    for lay in cache.layers:  # each row writes a root and 3 nodes behind its own entries
-        lay.update(k[:, :, 4:8], k[:, :, 4:8])
+    for i, lay in enumerate(cache.layers):  # each row writes a root and 3 nodes behind its own entries
+        lay.update(kv[i][0][:, :, 4:8], kv[i][1][:, :, 4:8])
     assert layer.rows == [8, 6]
     # row 0 (root at 4) keeps nodes 1, 2 (entries 6, 7 -> 5, 6); row 1 (root at 2) keeps node 0 (entry 3: in place)
     compact_rows(cache, [5, 3], [torch.tensor([1, 2]), torch.tensor([0])], [False, True])
     assert cache.row_lengths() == [7, 4]
-    assert torch.equal(layer.keys[0, :, 5:7], k[0, :, 6:8]) and torch.equal(layer.keys[1, :, 2:4], k[1, :, 4:6])
-    assert torch.equal(layer.keys[0, :, :5], k[0, :, :5])  # the prefix and root untouched
+    for i, lay in enumerate(cache.layers):
+        for got, want in ((lay.keys, kv[i][0]), (lay.values, kv[i][1])):
+            assert torch.equal(got[0, :, 5:7], want[0, :, 6:8]) and torch.equal(got[1, :, 2:4], want[1, :, 4:6])
+            assert torch.equal(got[0, :, :5], want[0, :, :5])  # the prefix and root untouched
     cache.keep_rows(torch.tensor([1]), [4])  # row 0 left the batch
-    assert cache.row_lengths() == [4] and torch.equal(layer.keys[0, :, 2:4], k[1, :, 4:6])
+    assert cache.row_lengths() == [4]
+    for i, lay in enumerate(cache.layers):
+        assert torch.equal(lay.keys[0, :, 2:4], kv[i][0][1, :, 4:6]) and torch.equal(lay.values[0, :, 2:4], kv[i][1][1, :, 4:6])
 
 
 BATCHED = ["eagle2-dynamic-tree", "sd-sampling", "tree-iid-siblings"]
@@ -132,3 +158,19 @@ def test_batched_samples_follow_the_target_law(name):
     small, big = draw(60, 1), draw(400, 2)
     assert chi2_pvalue(big, law, 800) > 1e-3
     assert tv(big, law, 800) < tv(small, law, 120)
+
+
+@pytest.mark.parametrize("name", ["eagle2-dynamic-tree", "sd-sampling"])
+def test_a_batched_row_samples_what_it_samples_alone(name):
+    """T>0: each row consumes its own generator as a lone generation does, so in fp32 a row of a batch draws the
+    tokens that prompt draws alone from the same seed (a mixed-up or shared generator would not). (Not the random-tree
+    helper: its tree shapes come from one Python RNG of its own, advanced by every call.)"""
+    params = SamplingParams(temperature=1.0)
+    t = target()
+    eng = Engine(t, DRAFTERS[name](t), params)
+    prompts = [PROMPT, PROMPT[1:], PROMPT]
+    for i in range(4):
+        seeds = [10 * i + r for r in range(3)]
+        rows = eng.generate_batch(prompts, 6, [torch.Generator().manual_seed(s) for s in seeds]).rows
+        alone = [eng.generate(p, 6, torch.Generator().manual_seed(s)).new_tokens for p, s in zip(prompts, seeds)]
+        assert [r.new_tokens for r in rows] == alone

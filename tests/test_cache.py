@@ -71,6 +71,8 @@ def test_every_drafter_decodes_the_same_steps_through_either_cache(name):
         layers = own_cache_layers(drafter)
         assert (name in ("pld", "medusa")) == (not layers)
         assert all(isinstance(x, PreallocatedLayer if kind == "preallocated" else DynamicLayer) for x in layers)
+        if kind == "preallocated":  # sized as the target's cache for the generation (prompt + budget + a tree), not grown
+            assert {x.capacity for x in layers} <= {len(PROMPTS[-1]) + 40 + 256}
     for dyn, pre, prompt in zip(*gens, PROMPTS):
         assert pre.new_tokens == dyn.new_tokens == hf_greedy(model, prompt, 40)
         assert pre.tokens_per_step == dyn.tokens_per_step

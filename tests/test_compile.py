@@ -5,6 +5,7 @@ buckets are warm, and the static cache refuses what it cannot hold."""
 import pytest
 import torch
 
+from specbench.compiled import compiled_graphs
 from specbench.engine import Engine
 from specbench.errors import SpecbenchError
 from specbench.kvcache import StaticCache
@@ -33,16 +34,23 @@ def test_every_drafter_decodes_its_greedy_output_compiled(compiled, name):
     assert isinstance(compiled.new_cache(64), StaticCache)
 
 
-def test_nothing_recompiles_once_the_buckets_are_warm(compiled):
+def test_nothing_recompiles_once_the_buckets_are_warm(compiled, monkeypatch):
     """A chain of sd's gamma tokens fills one bucket, the baseline another: after one generation each, other prompts
-    (the same cache block) decode without a recompile."""
+    (the same cache block) decode without a recompile, and their steps ran through the compiled graphs (not the eager
+    fallback, where error_on_recompile would have nothing to catch)."""
+    calls = []
+    step = compiled.compiled.step
+    monkeypatch.setattr(compiled.compiled, "step", lambda *a: calls.append(1) or step(*a))
     engines = [Engine(compiled, make_drafter(n, compiled), SamplingParams()) for n in ("none", "sd")]
     for engine in engines:
         engine.generate(PROMPTS[0], 30)
+    assert compiled_graphs() > 0
     with torch._dynamo.config.patch(error_on_recompile=True):
         for engine in engines:
             for prompt in PROMPTS[1:]:
+                calls.clear()
                 assert engine.generate(prompt, 30).new_tokens == hf_greedy(compiled.model, prompt, 30)
+                assert len(calls) > 1  # every step after the (eager) prefill
 
 
 @pytest.mark.parametrize("name", ["eagle2", "sd_tree"])

@@ -281,11 +281,13 @@ def test_an_hf_draft_runs_without_a_specbench_checkpoint(make_cfg, tmp_path, tin
     ("decoding.top_p=0", "decoding.top_p=0 must be in"),
     ("decoding.top_k=-2", "decoding.top_k=-2 >= 0"),
     ("decoding.batch_size=0", "decoding.batch_size=0 must be >= 1"),
+    # a batch of 4 over 2 questions decodes 2 rows: the batch table would label it B=4
+    ("decoding.batch_size=4 dataset.limit=2", "decoding.batch_size=4 needs at least that many questions"),
 ])
 def test_bad_decoding_parameters_are_refused_before_anything_runs(make_cfg, tmp_path, override, message):
     """temperature=-1 ran as greedy without a word."""
     with pytest.raises(SpecbenchError, match=message):
-        Runner(make_cfg("drafter=pld", override)).execute()
+        Runner(make_cfg("drafter=pld", *override.split())).execute()
     assert not (tmp_path / "results").exists()
 
 
