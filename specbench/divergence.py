@@ -66,3 +66,19 @@ def classify(baseline_engine, drafter_engine, prompt_ids: list[int], position: i
     tie = base["reproduces"] and draft["reproduces"] and swing <= tol
     return {"kind": "near_tie" if tie else "mismatch", "swing": swing, "tolerance": tol, "baseline": base,
             "drafter": draft}
+
+
+def classify_by_forward(target, prompt_ids: list[int], common: list[int], ours: int, theirs: int) -> dict:
+    """One-sided, for a path that cannot be replayed here (the authors' code in `make peer`): the target's logits after
+    prompt + the tokens both outputs share, from one fresh forward over the whole sequence -> a near-tie when that row
+    gives one of the two tokens and puts it at most NEAR_TIE_ULPS ulps of its top logit above the other, else a
+    mismatch. Weaker than classify (one path, and not as either run computed it)."""
+    ids = torch.tensor([prompt_ids + common], device=target.device)
+    logits = target.forward(ids, target.new_cache(ids.shape[1]), logits_rows=slice(-1, None)).logits[0, -1]  # [V]
+    row = _path(logits, ours, theirs)
+    other = theirs if row["token"] == ours else ours
+    gap = float(logits.float()[row["token"]] - logits.float()[other])
+    tol = NEAR_TIE_ULPS * abs(row["top_logit"]) * torch.finfo(target.dtype).eps
+    tie = row["token"] in (ours, theirs) and gap <= tol
+    return {"kind": "near_tie" if tie else "mismatch", "replayed": "one forward (one-sided)", "gap": gap,
+            "tolerance": tol, "target": row}

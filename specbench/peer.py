@@ -34,7 +34,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from specbench.config import ModelConfig, register_schema
-from specbench.divergence import classify, first_divergence
+from specbench.divergence import classify_by_forward, first_divergence
 from specbench.drafter import NoDrafter
 from specbench.engine import Engine
 from specbench.errors import SpecbenchError
@@ -206,7 +206,7 @@ def compare_variant(runner: Runner, cfg: DictConfig, rope_theta: float | None, w
         for p, (a, b) in enumerate(zip(mine, other)):
             at = first_divergence(a, b)
             if at is not None and at < min(len(a), len(b)):
-                first.append({"prompt": p, "at": at, **classify(target, prompts[p], a[:at], a[at], b[at])})
+                first.append({"prompt": p, "at": at, **classify_by_forward(target, prompts[p], a[:at], a[at], b[at])})
             elif at is not None:
                 first.append({"prompt": p, "at": at, "kind": "length"})
         return {"identical": sum(a == b for a, b in zip(mine, other)), "of": len(mine), "divergences": first}

@@ -125,3 +125,22 @@ def test_a_verification_that_emits_its_rows_runner_up_is_a_mismatch(make_cfg, mo
     # the emitted token is the runner-up of the drafter's own (correctly replayed) tree row, as of the baseline's row
     assert d["drafter"]["top2"] == [theirs, ours] and d["baseline"]["top2"] == [theirs, ours]
     assert 0 < d["drafter"]["margin"] <= 8 * abs(d["drafter"]["top_logit"]) * torch.finfo(torch.bfloat16).eps
+
+
+def test_a_divergence_from_a_path_not_replayable_here_is_classified_by_one_forward():
+    """make peer's divergences (the authors' code cannot be replayed through our engine; make peer called the replay
+    rule with the old arguments and crashed on SmolLM2 as shipped): one forward over prompt + shared tokens, a near-tie
+    only when its row gives one of the two tokens within NEAR_TIE_ULPS ulps of the other."""
+    logits = torch.full((1, 1, 10), -5.0)
+    logits[0, 0, 3], logits[0, 0, 5], logits[0, 0, 7] = 10.0, 10.0 - 1e-6, 2.0  # 1e-6 < 4 ulps of 10 in fp32
+    calls = []
+
+    def forward(ids, cache, logits_rows):
+        calls.append(ids.tolist())
+        return SimpleNamespace(logits=logits)
+
+    target = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, new_cache=lambda n: None, forward=forward)
+    kinds = {pair: divergence.classify_by_forward(target, [1, 2], [4], *pair)["kind"]
+             for pair in [(3, 5), (5, 3), (3, 7), (8, 9)]}
+    assert kinds == {(3, 5): "near_tie", (5, 3): "near_tie", (3, 7): "mismatch", (8, 9): "mismatch"}
+    assert calls[0] == [[1, 2, 4]]  # the prompt and the shared tokens
