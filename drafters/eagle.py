@@ -169,9 +169,11 @@ class EagleDrafter(TrainableDrafter):
         counts = module.get("vocab_counts") or (Path(checkpoint).parent / COUNTS_FILE if checkpoint else None)
         return pruned_lm_head(target, int(n), None if counts is None else Path(counts))
 
-    def save_authors_layout(self, out: Path) -> Path:
-        """This head in the authors' layout (save_authors_head): what `make peer` gives their EaModel."""
-        return save_authors_head(self.head, self.target, out)
+    def save_authors_layout(self, out: Path, target=None) -> Path:
+        """This head in the authors' layout (save_authors_head): what `make peer` gives their EaModel; `target`: the
+        one its config describes (default: the drafter's; make peer's variant of the same weights with another RoPE
+        base)."""
+        return save_authors_head(self.head, target or self.target, out)
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod

@@ -149,7 +149,7 @@ class Side:
                                  "repeats": speeds}}
 
 
-def compare_variant(runner: Runner, cfg: DictConfig, rope_theta: float | None, work: Path, head_dir: Path) -> dict:
+def compare_variant(runner: Runner, cfg: DictConfig, rope_theta: float | None, work: Path, trained) -> dict:
     src = Path(resolve_checkpoint(runner.model_cfg))
     label = "as shipped" if rope_theta is None else f"rope_theta={rope_theta:g}"
     tdir = export_target(src, work / f"target-{'shipped' if rope_theta is None else f'rope{rope_theta:g}'}",
@@ -161,6 +161,12 @@ def compare_variant(runner: Runner, cfg: DictConfig, rope_theta: float | None, w
                             "gguf_package": None, "name": f"{runner.model_cfg.name}@{label}"})
         model, tok, device = load_model(mc)
         target = TargetModel(model, tok, device, mc.name, cache=mc.cache, compile=mc.compile)  # as the run's target
+    # the one trained head, written for this variant's target: the same weights, its config naming the target's RoPE
+    # base (the check on loading refuses a head recorded for another base; the authors' code reads none)
+    head_dir = work / f"eagle-authors-layout-{tdir.name}"
+    if head_dir.exists():
+        shutil.rmtree(head_dir)
+    trained.save_authors_layout(head_dir, target)
     params = runner.decoding.sampling()
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     eagle = instantiate({**inference_spec(cfg.drafter), "checkpoint": str(head_dir)}, target=target, _convert_="object")
@@ -230,14 +236,10 @@ def run_peer(cfg: DictConfig) -> dict:
         raise SpecbenchError("make peer compares fp32 greedy decoding (model.dtype=float32, decoding.temperature=0)")
     runner = Runner(cfg)
     work = Path(os.path.expanduser(cfg.model.cache_dir)) / "peer" / runner.model_cfg.name
-    head_dir = work / "eagle-authors-layout"
-    if head_dir.exists():
-        shutil.rmtree(head_dir)
     trained = runner.make_drafter(cfg.drafter)  # our eagle with its trained head (drafter.checkpoint)
     if not hasattr(trained, "save_authors_layout"):
         raise SpecbenchError(f"make peer compares EAGLE heads: drafter={cfg.drafter.name} has no authors' layout")
-    trained.save_authors_layout(head_dir)
-    variants = [compare_variant(runner, cfg, t, work, head_dir) for t in cfg.peer.rope_thetas]
+    variants = [compare_variant(runner, cfg, t, work, trained) for t in cfg.peer.rope_thetas]
     return {"model": runner.model_cfg.name, "checkpoint": cfg.drafter.checkpoint, "tree": cfg.tree.name,
             "prompts": len(runner.questions), "max_new_tokens": runner.decoding.max_new_tokens,
             "repeats": runner.bench.repeats, "threads": torch.get_num_threads(),

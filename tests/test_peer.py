@@ -117,3 +117,37 @@ def test_the_authors_eagle_and_ours_emit_the_same_tokens_and_steps(tmp_path, tin
             assert steps_to(r["known"], len(out)) == ours.steps
     finally:
         theirs.close()
+
+
+@pytest.mark.skipif(not PEER_PYTHON.is_file(), reason="the authors' environment is made by `make test` and `make peer`")
+def test_make_peer_runs_both_targets_end_to_end(tmp_path, tiny_checkpoint, question_file):
+    """run_peer as `make peer` runs it, on the tiny target as shipped and with another RoPE base (5000, where the
+    authors' hard-coded 10000 makes their side decode another model): the head written for each variant's target
+    loads (one head for both was refused on the variant: its config named the other base), every divergence is
+    classified (the replay rule was called with the old arguments and crashed), ours equals the greedy output on both."""
+    from hydra import compose, initialize_config_dir
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from specbench.checkpoints import save_checkpoint, target_identity
+    from specbench.config import register_schema
+    from specbench.peer import run_peer
+    from specbench.target import TargetModel
+    from tests.test_conformance import CONF
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    target = TargetModel(LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval(), tok, torch.device("cpu"), "tiny")
+    save_checkpoint(tmp_path / "eagle", trained_like_head(target), target, {"drafter": "eagle", **target_identity(target)})
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
+        cfg = compose(config_name="peer", overrides=[
+            f"model.path={tiny_checkpoint}", "model.name=tiny", f"model.cache_dir={tmp_path / 'cache'}", "dataset=jsonl",
+            f"dataset.path={question_file}", "dataset.limit=2", "decoding.max_new_tokens=16", "bench.repeats=1",
+            "bench.warmup=0", f"drafter.checkpoint={tmp_path / 'eagle'}", f"peer.python={PEER_PYTHON}",
+            "peer.rope_thetas=[null,5000]", f"out.root={tmp_path / 'results'}"])
+    r = run_peer(cfg)
+    assert [v["rope_theta"] for v in r["variants"]] == [None, 5000.0]
+    for v in r["variants"]:
+        ours = v["identical_to_greedy"]["ours-eagle"]
+        assert ours["identical"] == ours["of"] == 2
+        for d in [*v["identical_to_greedy"].values(), v["ours_eagle_vs_theirs_eagle"]]:
+            assert all(x["kind"] in ("near_tie", "mismatch", "length") for x in d["divergences"])
