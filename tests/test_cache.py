@@ -117,8 +117,9 @@ def test_make_limit_reports_the_baseline_against_the_bare_matmul_time(tiny_check
     r = run_limit(cfg)
     assert r["weight_matrices"] == 6 * 7 + 1 and r["bare_ms_per_token"] > 0
     assert set(r["eager"]) == {"dynamic", "preallocated"}
-    assert all(row["baseline_ms_per_token"] > 0 and row["overhead_share"] < 1 for row in r["eager"].values())
-    assert r["compiled"]["baseline_ms_per_token"] > 0 and r["compiled"]["overhead_share"] < 1  # model.compile's row
+    # each path slower than the bare matmuls of its weights (a share of 0 or less: a wrong denominator or bare loop)
+    assert all(0 < row["overhead_share"] < 1 for row in [*r["eager"].values(), r["compiled"]])  # + model.compile's row
+    assert all(row["baseline_ms_per_token"] > r["bare_ms_per_token"] for row in [*r["eager"].values(), r["compiled"]])
 
 
 def test_ragged_rows_write_behind_their_own_entries():
