@@ -170,14 +170,14 @@ class Engine:
         t0 = time.perf_counter()
         # the positions this generation can reach: prompt, new tokens, and one tree past them before compaction
         need = len(prompt_ids) + max_new_tokens + 256
-        capacity = min(need, context) if context else need  # the context bounds it; it is not the need
-        cache = target.new_cache(capacity)
+        cache = target.new_cache(min(need, context) if context else need)  # the context bounds it; it is not the need
         layers = tuple(drafter.hidden_layers) if LAYERS in drafter.needs else ()  # EAGLE-3's low/middle/high
         fwd = target.prefill(prompt, cache, layers=layers)
         first = self._first_token(fwd.logits[0, -1], generator)
         tokens = torch.cat([prompt, torch.tensor([[first]], device=dev)], dim=1)
         out = [first]
-        state = self._state(tokens, fwd.hidden, cache, generator, fwd.layers, capacity)
+        # a drafter's own cache: the need, unclamped (a tree past the context is drafted before the engine drops it)
+        state = self._state(tokens, fwd.hidden, cache, generator, fwd.layers, need)
         drafter.prefill(state)
         sync(devs)
         gen = Generation(new_tokens=out, prompt_tokens=len(prompt_ids), wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -228,7 +228,7 @@ class Engine:
             new = torch.cat([node_tok[keep], acc.next_token[None]])  # [A+1] == emitted (not cut: not done)
             tokens = torch.cat([tokens, new[None]], dim=1)
             state = self._state(tokens, fwd.hidden[:, rows], cache, generator,
-                                None if fwd.layers is None else fwd.layers[:, rows], capacity)
+                                None if fwd.layers is None else fwd.layers[:, rows], need)
             result = VerifyResult(
                 accepted_nodes=path,
                 accepted_tokens=[node_tokens[i] for i in path],
@@ -281,8 +281,8 @@ class Engine:
         t0 = time.perf_counter()
         # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says
         need = width + max(budgets) + 256
-        capacity = min(need, context) if context else need
-        cache = PreallocatedCache(target.model.config, capacity)
+        cache = PreallocatedCache(target.model.config, min(need, context) if context else need)
+        capacity = need  # each row's drafter caches (unclamped, as in generate)
         layers = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()
         # right-padded prompts under the causal mask: a real token never sees the padding after it
         ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [B, L]

@@ -350,6 +350,9 @@ class Runner:
         mem = PeakMemory(self.target.devices)
         context = self.target.max_positions
         size = self.decoding.batch_size
+        compiled = self.target.compiled
+        if compiled is not None:  # the static cache at the largest size any turn can need, before any graph is built on it
+            self.target.new_cache(self._largest_need(todo, context))
         for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches
             ids = self.prompt_ids(todo[0][1], 0, [])
             rng = torch.Generator(dev).manual_seed(self.cfg.seed)
@@ -359,21 +362,30 @@ class Runner:
                 engine.generate_batch([ids] * size, min(self.budget(len(ids)), 32), [rng] * size, context)
         groups = batches(todo, self.questions, size)
         total = sum(len(q.turns) for _, q in todo)
-        warm_pass = self.bench.warm_pass if self.bench.warm_pass is not None else self.target.compiled is not None
+        warm_pass = self.bench.warm_pass if self.bench.warm_pass is not None else compiled is not None
         if warm_pass:
-            # model.compile builds a graph per (tree bucket, context block) and its static caches at the largest size
-            # a turn needs: decoding the whole set once, untimed, builds every one the timed pass will use
-            with tqdm(total=total, desc=f"{label} warm pass", unit="turn", dynamic_ncols=True) as bar:
-                for group in groups:
-                    for turn in self._turns(engine, group, context):
-                        bar.update(len(turn.members))
-        graphs = timed_from = compiled_graphs()
+            # model.compile builds a graph per (tree bucket, context block): decoding the set once, untimed, builds
+            # every one the timed pass will use (at T=0 one repeat: the others decode the same tokens); a second pass
+            # only if a turn still outgrew the static cache (graphs are built anew on a new one)
+            first = todo[0][0]
+            warm = groups if self.decoding.temperature > 0 else [g for g in groups if g[0][0] == first]
+            for _ in range(2):
+                held = compiled.capacity if compiled is not None else None
+                with tqdm(total=sum(len(q.turns) for g in warm for _, q in g), desc=f"{label} warm pass", unit="turn",
+                          dynamic_ncols=True) as bar:
+                    for group in warm:
+                        for turn in self._turns(engine, group, context):
+                            bar.update(len(turn.members))
+                if compiled is None or compiled.capacity == held:
+                    break
+        timed_built = 0
         with tqdm(total=total, desc=f"{label} {self.dataset_cfg.name}", unit="turn", dynamic_ncols=True) as bar:
             for group in groups:
                 rows: dict[str, list[dict]] = {q.question_id: [] for _, q in group}
+                graphs = compiled_graphs()
                 for turn in self._turns(engine, group, context, mem):
                     built = compiled_graphs() - graphs  # graphs compiled inside this timed turn (model.compile)
-                    graphs += built
+                    timed_built += built
                     for i, (repeat, q) in enumerate(turn.members):
                         # the conversation so far fills the context: nothing to decode
                         g = turn.gens.get(i) or Generation(new_tokens=[], prompt_tokens=len(turn.prompts[i]),
@@ -389,12 +401,23 @@ class Runner:
                         qrows.append(row)
                         bar.update(1)
                         bar.set_postfix(tok_s=f"{row['tokens_per_s'] or 0:.1f}", tau=f"{g.tau:.2f}")
+                    graphs = compiled_graphs()  # (after the records: a divergence replay's graphs are not a turn's)
                 # all turns of a question at once: resume never sees half a conversation
                 run_dir.append([row for _, q in group for row in rows[q.question_id]])
-        if self.target.compiled is not None and compiled_graphs() > timed_from:
+        if timed_built:
             log.warning("%s: %d graphs were compiled inside timed turns (their compile time is in the run's speed; "
                         "their records say which: graphs_compiled; bench.warm_pass=true builds them untimed first)",
-                        run_dir.path, compiled_graphs() - timed_from)
+                        run_dir.path, timed_built)
+
+    def _largest_need(self, todo: list, context: int | None) -> int:
+        """An upper bound on the positions any turn of `todo` needs (Engine.generate: prompt + budget + one tree): the
+        last turn's prompt with empty answers, each earlier answer counted at the budget and 32 tokens of slack."""
+        most = 0
+        for _, q in todo:
+            n = len(q.turns)
+            prompt = len(self.prompt_ids(q, n - 1, [""] * (n - 1)))
+            most = max(most, prompt + n * (self.decoding.max_new_tokens + 32) + 256)
+        return min(most, context) if context else most
 
     def _turns(self, engine: Engine, group: list, context: int | None, mem: PeakMemory | None = None):
         """Decode one batch group's conversations turn by turn (a later turn's prompt holds the question's earlier

@@ -73,7 +73,7 @@ class TargetState:
     #                                    low/middle/high features), rows as `hidden`'s; only for drafters needing LAYERS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None  # the run's RNG, for drafters that sample at T>0
-    capacity: int = 0  # positions the target's cache holds in this generation (prompt + budget + a tree; 0: not said)
+    capacity: int = 0  # positions this generation can reach (prompt + budget + a tree; 0: not said), context or not
 
     @property
     def num_tokens(self) -> int:
