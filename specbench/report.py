@@ -176,14 +176,17 @@ def tree_key(summary: dict, head: dict) -> tuple:
     return summary["drafter"], summary["dataset"], variant
 
 
-def load_runs(exp_dir: Path, key_of=cell_key) -> dict[Setting, dict[tuple, dict]]:
+def load_runs(exp_dir: Path, key_of=cell_key, batched: bool = False) -> dict[Setting, dict[tuple, dict]]:
     """Per setting, key_of(summary, header) -> summary + header, from every finished run of the experiment.
     Where several runs fill one cell (the drafter's weights or options changed since: a new config hash), the newest
-    run does."""
+    run does. Runs decoded in batches (decoding.batch_size > 1) only with `batched` (the batch table's key holds B):
+    every other table reads batch 1, as the papers measure."""
     settings: dict[Setting, dict] = {}
     for run in sorted(exp_dir.glob("*/summary.json")):
         s = json.loads(run.read_text())
         head = json.loads((run.parent / "run.json").read_text())
+        if not batched and int(head["config"]["decoding"].get("batch_size", 1)) > 1:
+            continue
         runs = settings.setdefault(Setting.of(head), {})
         key = key_of(s, head)
         if key not in runs or (head["date"], run.parent.name) > (runs[key]["_head"]["date"], runs[key]["run"]):
@@ -583,7 +586,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
     paper tree and at tree=auto sized per B; the batch size at which it drops below 1.0x; the baseline's throughput
     and peak memory per B, and how many of its turns differ from its own batch-1 output (a batched matmul rounds
     differently: those differences are the baseline's, not a drafter's). conf/experiment/batch_sweep.yaml."""
-    by_setting = load_runs(exp_dir, batch_key)
+    by_setting = load_runs(exp_dir, batch_key, batched=True)
     written = []
     for setting, cells in sorted(by_setting.items()):
         stem = file_stem(setting, by_setting)
@@ -739,18 +742,12 @@ def question_speeds(run_dir: Path) -> tuple[list[float], list[int]]:
     return [t / w for t, w in per_q.values() if w > 0], steps
 
 
-def board_key(summary: dict, head: dict) -> tuple:
-    """The board's cell: (drafter, dataset, temperature, B). The board reads batch 1, as Spec-Bench measures: a
-    batched run's rows share one clock, so per-question tokens/s would count the batch's time once per row."""
-    return *cell_key(summary, head), int(head["config"]["decoding"].get("batch_size", 1))
-
-
 def board_report(exp_dir: Path, table: BoardTable) -> list[Path]:
     """Spec-Bench's leaderboard in its own columns: per task the speedup (the mean per-question tokens/s of the
     method over the baseline's, as its evaluation/speed.py computes it), the mean accepted tokens per step over all
     tasks and the overall speedup (the same ratio over every question of the six tasks); then the published board
     it mirrors, marked as another target and device."""
-    by_setting = load_runs(exp_dir, board_key)
+    by_setting = load_runs(exp_dir)  # batch 1, as Spec-Bench measures (a batch's rows share one clock)
     written = []
     mean = lambda xs: sum(xs) / len(xs)
     for setting, cells in sorted(by_setting.items()):
@@ -759,7 +756,7 @@ def board_report(exp_dir: Path, table: BoardTable) -> list[Path]:
         for name in table.drafters:
             row, speeds, base_speeds, steps = [name], [], [], []
             for _, ds in table.columns:
-                run = cells.get((name, ds, 0.0, 1))
+                run = cells.get((name, ds, 0.0))
                 base = run and run.get("baseline_run") and exp_dir / run["baseline_run"]
                 if not run or not base or not (base / "records.jsonl").is_file():
                     row.append(MISSING)

@@ -81,6 +81,15 @@ def test_killed_sweep_resumes_without_duplicates_and_report_is_deterministic(tmp
     assert only(results / "eagle_alpha")[1][("pld", "jsonl", 0.0)]["run"] == pld.parent.name  # older: ignored
     (newer / "run.json").write_text(json.dumps({**head, "date": "2999-01-01T00:00:00+00:00"}))
     assert only(results / "eagle_alpha")[1][("pld", "jsonl", 0.0)]["tau_micro"] == 9.0
+    # a batched run (decoding.batch_size=2) of the same cell, newer still: a paper table reads batch 1, never it
+    batched = results / "eagle_alpha" / (pld.parent.name[:-8] + "bbbbbbbb")
+    shutil.copytree(newer, batched)
+    bcfg = {**head["config"], "decoding": {**head["config"]["decoding"], "batch_size": 2}}
+    (batched / "run.json").write_text(json.dumps({**head, "config": bcfg, "date": "2999-06-01T00:00:00+00:00"}))
+    (batched / "summary.json").write_text(json.dumps({**summary, "run": batched.name, "tau_micro": 5.0}))
+    assert only(results / "eagle_alpha")[1][("pld", "jsonl", 0.0)]["tau_micro"] == 9.0
+    assert load_runs(results / "eagle_alpha", batched=True)  # (the batch table's reading keeps it)
+    shutil.rmtree(batched)
     # a run of another model in the same experiment: its own table, never a cell of the first one's
     other = results / "eagle_alpha" / (pld.parent.name.replace("tiny__", "other__"))
     shutil.copytree(newer, other)
