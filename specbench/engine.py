@@ -43,6 +43,9 @@ class StepTrace:
     path: list[int]  # the accepted nodes, root's child first
 
 
+TREE_ROOM = 256  # cache positions past prompt + budget: one drafted tree before its compaction
+
+
 @dataclass
 class Generation:
     """One prompt turn: the new tokens and the counters every method is measured by."""
@@ -169,7 +172,7 @@ class Engine:
         sync(devs)
         t0 = time.perf_counter()
         # the positions this generation can reach: prompt, new tokens, and one tree past them before compaction
-        need = len(prompt_ids) + max_new_tokens + 256
+        need = len(prompt_ids) + max_new_tokens + TREE_ROOM
         cache = target.new_cache(min(need, context) if context else need)  # the context bounds it; it is not the need
         layers = tuple(drafter.hidden_layers) if LAYERS in drafter.needs else ()  # EAGLE-3's low/middle/high
         fwd = target.prefill(prompt, cache, layers=layers)
@@ -280,7 +283,7 @@ class Engine:
         sync(devs)
         t0 = time.perf_counter()
         # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says
-        need = width + max(budgets) + 256
+        need = width + max(budgets) + TREE_ROOM
         cache = PreallocatedCache(target.model.config, min(need, context) if context else need)
         capacity = need  # each row's drafter caches (unclamped, as in generate)
         layers = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()

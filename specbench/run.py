@@ -25,7 +25,7 @@ from specbench.compiled import compiled_graphs
 from specbench.divergence import first_divergence
 from specbench.config import BenchConfig, DatasetConfig, DecodingConfig, ModelConfig, register_schema, to_dataclass
 from specbench.data import Question, load_questions
-from specbench.engine import Engine, Generation
+from specbench.engine import TREE_ROOM, Engine, Generation
 from specbench.errors import SpecbenchError
 from specbench.metrics import PeakMemory, summarize
 from specbench.models import chat_prompt_ids, load_model, pick_dtype
@@ -416,7 +416,7 @@ class Runner:
         for _, q in todo:
             n = len(q.turns)
             prompt = len(self.prompt_ids(q, n - 1, [""] * (n - 1)))
-            most = max(most, prompt + n * (self.decoding.max_new_tokens + 32) + 256)
+            most = max(most, prompt + n * (self.decoding.max_new_tokens + 32) + TREE_ROOM)
         return min(most, context) if context else most
 
     def _turns(self, engine: Engine, group: list, context: int | None, mem: PeakMemory | None = None):
