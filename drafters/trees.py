@@ -164,21 +164,27 @@ class StaticTree:
 class DynamicTree:
     """EAGLE-2's dynamic tree. `depth` counts drafted levels, the root's top-k children being level 1 (the root, the
     last verified token, is not counted): depth D drafts `topk` + (D-1) `topk`^2 nodes in D-1 `expand` calls and keeps
-    the best `total_tokens` of them (the root not counted either). The authors' code counts one less: EAGLE-2's (and
-    HASS's) `topK_genrate` takes the root's top-k before a loop of `depth` iterations, each adding a level, so their
-    `--depth 5` (the default of their evaluation scripts, with --top-k 10 --total-token 60) drafts 6 levels: depth 6
-    here. The papers count as here: MoA's D (papers/002 Sec. 2.2: "B + (D-1)B^2 nodes"); CORAL's "tree depth of 6"
-    (papers/003 Sec. 4.1), its settings "primarily identical" to the HASS / EAGLE-2 code's (default --depth 5).
+    the best `total_tokens - 1` of them (with the root, `total_tokens` verified). The authors' code counts depth one
+    less: EAGLE-2's (and HASS's) `topK_genrate` takes the root's top-k before a loop of `depth` iterations, each
+    adding a level, so their `--depth 5` (the default of their evaluation scripts, with --top-k 10 --total-token 60)
+    drafts 6 levels: depth 6 here. The papers count as here: MoA's D (papers/002 Sec. 2.2: "B + (D-1)B^2 nodes");
+    CORAL's "tree depth of 6" (papers/003 Sec. 4.1), its settings "primarily identical" to the HASS / EAGLE-2
+    code's (default --depth 5).
     Beagle's "depth=1+6" (papers/000 Sec. 5.1, EAGLE-2's hyperparameters) is read as the root plus 6 drafted levels:
     depth 6 here (were it the code's --depth 6, it would be 7 here). conf/tree/dynamic.yaml points here.
-    `total_tokens` differs by one from the authors' (README "Deviations"): their code keeps total_tokens - 1 drafted
-    nodes (the root makes it total_tokens verified), this class keeps total_tokens.
+    `total_tokens` counts as the authors' code does (`root_counted`, default true; EAGLE's and EAGLE-3's
+    `Model.__init__`: `self.total_tokens = total_tokens - 1`; their help: "the total number of drafted tokens in the
+    tree + 1"): `total_tokens` verified, the root and `total_tokens - 1` drafted. `root_counted: false` keeps
+    `total_tokens` drafted nodes, one more than theirs: this project's count before the issue-27 re-run, kept to
+    reproduce the runs of then (their run.json has no `root_counted`, so their names differ from today's).
     Grown with tensor ops on the drafter's device (selection, expansion and rerank), as the authors' depth loop."""
 
-    def __init__(self, depth: int = 6, topk: int = 10, total_tokens: int = 60, **_):
-        if depth < 1 or topk < 1 or total_tokens < 1:
-            raise SpecbenchError("dynamic tree needs depth, topk and total_tokens >= 1")
-        self.depth, self.topk, self.total = depth, topk, total_tokens
+    def __init__(self, depth: int = 6, topk: int = 10, total_tokens: int = 60, root_counted: bool = True, **_):
+        self.depth, self.topk, self.total_tokens = depth, topk, total_tokens
+        self.total = total_tokens - 1 if root_counted else total_tokens  # drafted nodes kept
+        if depth < 1 or topk < 1 or self.total < 1:
+            raise SpecbenchError(f"dynamic tree needs depth, topk >= 1 and total_tokens >= {2 if root_counted else 1} "
+                                 "(at least one drafted node)")
         self.max_nodes = topk + (depth - 1) * topk * topk
 
     def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:

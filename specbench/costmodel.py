@@ -172,7 +172,9 @@ def best_tree(target: TargetCost, drafter: DrafterCost, new_tokens: int,
 def concrete_tree(base: dict, depth: int, nodes: int, topk: int = 0) -> dict:
     """The base policy cut to `depth` levels, `nodes` nodes and (dynamic) `topk`, as a conf/tree dict."""
     if base["kind"] == "dynamic":
-        return {"kind": "dynamic", "depth": depth, "topk": topk or base["topk"], "total_tokens": nodes}
+        counted = base.get("root_counted", True)  # DynamicTree's default: total_tokens includes the root
+        return {"kind": "dynamic", "depth": depth, "topk": topk or base["topk"], "total_tokens": nodes + counted,
+                "root_counted": counted}
     if base["kind"] == "static":
         paths = [p for p in base["paths"] if len(p) <= depth][:nodes]
         return {"kind": "static", "name": f"{base.get('name', 'static')}[d{depth},n{nodes}]", "paths": paths}
@@ -184,7 +186,10 @@ def base_depth(base: dict) -> int:
 
 
 def base_nodes(base: dict) -> int:
-    return base["total_tokens"] if base["kind"] == "dynamic" else len(base["paths"])
+    """Drafted nodes (the root not counted)."""
+    if base["kind"] == "dynamic":
+        return base["total_tokens"] - base.get("root_counted", True)
+    return len(base["paths"])
 
 
 # ---- measuring -------------------------------------------------------------------------------------------------------

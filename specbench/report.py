@@ -796,6 +796,14 @@ def cut_of(tree: dict) -> str:
     return f"depth {max(len(p) for p in tree['paths'])}, {n} token{'s' if n > 1 else ''}"
 
 
+def drafted_nodes(tree: dict) -> int:
+    """A tree's drafted tokens, the root not counted (costmodel's `nodes`): a static list's paths; a dynamic tree's
+    total_tokens - 1, or total_tokens in a run recorded before `root_counted` existed (it kept that many drafted)."""
+    if tree.get("kind") == "dynamic":
+        return tree["total_tokens"] - tree.get("root_counted", False)
+    return len(tree["paths"])
+
+
 def figure_tree_size(cells: dict, path: Path) -> None:
     """Predicted tokens/s against tree size (the cost model's curve, mtbench's calibration) for a few drafters, with
     the measured tokens/s of their paper-tree and auto-tree runs on MT-Bench as points."""
@@ -807,15 +815,15 @@ def figure_tree_size(cells: dict, path: Path) -> None:
         color = f"C{i}"
         ax.plot(sorted(curve), [curve[n] for n in sorted(curve)], color=color, lw=1, label=f"{d} predicted")
         chosen = a["_head"]["tree_auto"]["chosen"]
-        ax.scatter([chosen.get("total_tokens") or len(chosen["paths"])], [value(a, "speed")], color=color, marker="o")
+        ax.scatter([drafted_nodes(chosen)], [value(a, "speed")], color=color, marker="o")
         p = cells.get((d, "mtbench", "paper"))
         if p:
-            ax.scatter([p["_head"]["config"]["drafter"]["tree"]["total_tokens"]], [value(p, "speed")], color=color,
+            ax.scatter([drafted_nodes(p["_head"]["config"]["drafter"]["tree"])], [value(p, "speed")], color=color,
                        marker="x")
     base = cells.get(("none", "mtbench", "none"))
     if base:
         ax.axhline(value(base, "speed"), color="grey", lw=0.8, label="baseline (measured)")
-    ax.set_xlabel("tokens in the draft tree"), ax.set_ylabel("tokens/s (MT-Bench)")
+    ax.set_xlabel("drafted tokens in the tree (the root not counted)"), ax.set_ylabel("tokens/s (MT-Bench)")
     ax.set_title("Lines: the best predicted tree of each size (over depth and top-k)\n"
                  "measured: o = tree=auto, x = paper tree (depth 6, top-k 10)", fontsize=7)
     if ax.get_legend_handles_labels()[0]:

@@ -293,7 +293,7 @@ def test_bad_decoding_parameters_are_refused_before_anything_runs(make_cfg, tmp_
 
 def test_a_bad_tree_is_refused_before_the_baseline_runs(make_cfg, tmp_path):
     """tree.depth=0 was refused only after the baseline had decoded every question."""
-    with pytest.raises(SpecbenchError, match="depth, topk and total_tokens >= 1"):
+    with pytest.raises(SpecbenchError, match="dynamic tree needs depth, topk >= 1 and total_tokens >= 2"):
         Runner(make_cfg("drafter=eagle2", "drafter.checkpoint=null", "tree.depth=0")).execute()
     assert not list((tmp_path / "results").glob("*/*/records.jsonl"))
 

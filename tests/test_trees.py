@@ -34,7 +34,7 @@ def test_dynamic_tree_keeps_the_best_ancestor_closed_nodes(seed, depth, topk, to
     root = torch.randn(50, generator=torch.Generator().manual_seed(100 + seed)) * 3
     tokens, parents = lists(DynamicTree(depth, topk, total).grow(root, expander(50, seed, calls)))
     n = len(tokens)
-    assert n == min(total, topk + (depth - 1) * topk * topk)
+    assert n == min(total - 1, topk + (depth - 1) * topk * topk)  # total_tokens counts the root (the authors' count)
     d = node_depths(parents)  # raises unless topological
     assert max(d) <= depth
     assert len(calls) == depth - 1 and all(len(nodes) == topk for nodes, _ in calls)
@@ -46,6 +46,17 @@ def test_dynamic_tree_keeps_the_best_ancestor_closed_nodes(seed, depth, topk, to
     # the root's top-k children are its k most likely tokens
     kids = [t for t, p in zip(tokens, parents) if p == -1]
     assert set(kids) <= set(root.topk(topk).indices.tolist())
+
+
+def test_total_tokens_counts_the_root_as_the_authors_code_does():
+    """EAGLE-2's `total_token=60` verifies 60 tokens, the root and 59 drafted (their `self.total_tokens = total_tokens
+    - 1`); root_counted=false is this project's count before 2026-11-25 (60 drafted), kept to reproduce its runs."""
+    root = torch.randn(50, generator=torch.Generator().manual_seed(7)) * 3
+    grow = lambda **kw: DynamicTree(6, 10, 60, **kw).grow(root, expander(50, 0, []))  # noqa: E731
+    assert len(grow().tokens) == 59 and len(grow(root_counted=False).tokens) == 60
+    with pytest.raises(SpecbenchError, match="total_tokens >= 2"):
+        DynamicTree(3, 2, 1)
+    assert len(DynamicTree(3, 2, 1, root_counted=False).grow(root, expander(50, 0, [])).tokens) == 1
 
 
 def test_dynamic_tree_rerank_prefers_likely_paths():
@@ -193,9 +204,9 @@ def test_static_tree_config_is_eagle1s_mc_sim_7b_63(seed):
 
 # each paper experiment's tree for its tree drafters (conf/experiment/*.yaml; depth as DynamicTree counts it)
 PAPER_TREES = {
-    "beagle_table1": {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60},  # papers/000 Sec. 5.1
-    "coral_table2": {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60},  # papers/003 Sec. 4.1
-    "moa_table2": {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62},  # papers/002 Sec. 4
+    "beagle_table1": {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60, "root_counted": True},  # papers/000 Sec. 5.1
+    "coral_table2": {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60, "root_counted": True},  # papers/003 Sec. 4.1
+    "moa_table2": {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62, "root_counted": True},  # papers/002 Sec. 4
 }
 
 
@@ -219,7 +230,7 @@ def test_each_experiment_decodes_with_its_papers_tree(experiment):
             elif isinstance(tree, dict):
                 assert {k: tree[k] for k in PAPER_TREES[experiment]} == PAPER_TREES[experiment], drafter
                 policy = make_tree(**tree)
-                assert (policy.depth, policy.topk, policy.total) == (tree["depth"], tree["topk"], tree["total_tokens"])
+                assert (policy.depth, policy.topk, policy.total) == (tree["depth"], tree["topk"], tree["total_tokens"] - 1)
             else:
                 assert drafter in ("none", "pld", "sd", "medusa"), drafter
 
