@@ -188,7 +188,9 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
         return FeatureSet.open(root / "train"), FeatureSet.open(root / "val")
     except SpecbenchError:
         pass
-    enc, val_convs = training_conversations(target, cfg, model_cfg, root, rank, world)
+    # the answers do not depend on whether K/V are stored: one file for both (stored K/V regenerated them, ~15 min)
+    enc, val_convs = training_conversations(target, cfg, model_cfg, features_root(target, cfg, model_cfg, kv=False),
+                                            rank, world)
     if rank == 0 and not (root / "train" / "manifest.json").is_file():
         check_free_space(root, enc, target, cfg, kv)
     train = extract(target, enc, root / "train", cfg.features_dtype, cfg.features_shard, kv=kv, desc="train features",

@@ -481,7 +481,7 @@ def test_self_distilled_answers_are_the_targets_greedy_answers_and_resume(tiny_t
         target_answers(tiny_target, convs, None, 96, 96, 2, tmp_path / "x.jsonl")
 
 
-def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file):
+def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file, monkeypatch):
     over = train_overrides(tmp_path, sharegpt_file, **{"train.answers": "target", "train.answer_tokens": 16,
                                                        "train.epochs": 1})
     final = Trainer(make_cfg("drafter=sd", *over)).run()
@@ -490,6 +490,18 @@ def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file):
     assert len(answers) == 1 and len(answers[0].read_text().splitlines()) == 10
     train_set = FeatureSet.open(answers[0].parent / "train")
     assert all(int(train_set.load(*i)["loss_mask"].sum()) <= 16 for i in train_set.index())
+    # MoA's stored K/V (another feature directory) read the same answers: they were generated again (~15 min here)
+    from specbench.train import prepare_features
+
+    trainer = Trainer(make_cfg("drafter=moa", *over, "train.kv_features=stored"))
+
+    def no_answers(*a, **k):
+        raise AssertionError("the answers were generated again")
+
+    monkeypatch.setattr(trainer.target.model, "generate", no_answers)
+    stored, _ = prepare_features(trainer.target, trainer.tc, trainer.model_cfg, True, 0)
+    assert len(stored.load(*stored.index()[0], kv=True)["kv"]) > 0  # K/V stored beside the same answers
+    assert len(list((tmp_path / "features").rglob("answers.jsonl"))) == 1
     with pytest.raises(SpecbenchError, match="train.answers='bogus' is not one of dataset, target"):
         Trainer(make_cfg("drafter=sd", *train_overrides(tmp_path, sharegpt_file, **{"train.answers": "bogus"}))).run()
 
