@@ -175,8 +175,9 @@ class DynamicTree:
     `total_tokens` counts as the authors' code does (`root_counted`, default true; EAGLE's and EAGLE-3's
     `Model.__init__`: `self.total_tokens = total_tokens - 1`; their help: "the total number of drafted tokens in the
     tree + 1"): `total_tokens` verified, the root and `total_tokens - 1` drafted. `root_counted: false` keeps
-    `total_tokens` drafted nodes, one more than theirs: this project's count before the issue-27 re-run, kept to
-    reproduce the runs of then (their run.json has no `root_counted`, so their names differ from today's).
+    `total_tokens` drafted nodes: MoA's code's count (HEBO mixture-of-attentions `moa_spec.py`: `self.total_tokens =
+    total_tokens`, a (total_tokens + 1)-square mask; conf/experiment/moa_table2.yaml), and this project's before the
+    issue-27 re-run (the runs of then have no `root_counted` in their run.json, so their names differ from today's).
     Grown with tensor ops on the drafter's device (selection, expansion and rerank), as the authors' depth loop."""
 
     def __init__(self, depth: int = 6, topk: int = 10, total_tokens: int = 60, root_counted: bool = True, **_):

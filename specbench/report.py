@@ -63,7 +63,16 @@ METRICS = {
 
 
 # a dynamic tree as captions name it; depth = drafted levels, as drafters/trees.py DynamicTree counts it
-DYNAMIC_TREE = "dynamic (depth {depth}, top-k {topk}, {total} tokens)"
+DYNAMIC_TREE = "dynamic (depth {depth}, top-k {topk}, {size})"
+
+
+def dynamic_size(tree: dict) -> str:
+    """A dynamic tree's size as it counted: `total_tokens` verified, the root included (root_counted, EAGLE's code),
+    or `total_tokens` drafted beside the root (root_counted: false, MoA's code; and every run recorded before the key
+    existed, which kept that many drafted)."""
+    if tree.get("root_counted", False):
+        return f"{tree.get('total_tokens')} tokens"
+    return f"{tree.get('total_tokens')} drafted + the root"
 
 
 def router_table(*datasets: str) -> Table:
@@ -224,7 +233,7 @@ def tree_of(drafter: dict, used: dict | None = None) -> str | None:
     if tree == "auto" and used and used.get("name") == "mc_sim_7b_63":
         return static_tree(used["paths"], "Medusa mc_sim_7b_63")
     if isinstance(tree, dict) and tree.get("kind") == "dynamic":
-        return DYNAMIC_TREE.format(depth=tree.get("depth"), topk=tree.get("topk"), total=tree.get("total_tokens"))
+        return DYNAMIC_TREE.format(depth=tree.get("depth"), topk=tree.get("topk"), size=dynamic_size(tree))
     if isinstance(tree, dict) and tree.get("kind") == "static":
         return static_tree(tree["paths"], tree.get("name"))
     if isinstance(tree, dict):
@@ -791,7 +800,7 @@ def board_report(exp_dir: Path, table: BoardTable) -> list[Path]:
 def cut_of(tree: dict) -> str:
     """A tree=auto choice in a table cell: a dynamic tree's depth, top-k and tokens; a static cut's depth and tokens."""
     if tree.get("kind") == "dynamic":
-        return f"depth {tree['depth']}, top-k {tree['topk']}, {tree['total_tokens']} tokens"
+        return f"depth {tree['depth']}, top-k {tree['topk']}, {dynamic_size(tree)}"
     n = len(tree["paths"])
     return f"depth {max(len(p) for p in tree['paths'])}, {n} token{'s' if n > 1 else ''}"
 

@@ -112,7 +112,7 @@ def test_caption_names_each_drafters_tree():
     mc_sim = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [0, 0, 0], [0, 0, 1],
               [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
               [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
-    dynamic = {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62}
+    dynamic = {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62, "root_counted": True}
     drafters = {
         "none": {"name": "none"},
         "sd": {"name": "sd", "gamma": 5},
@@ -134,6 +134,9 @@ def test_caption_names_each_drafters_tree():
         "4/8/8/3/2 per depth); eagle2, moa: dynamic (depth 6, top-k 8, 62 tokens); chain: chain of 3. device: cpu0; "
         "commit(s): abcdef0.**")
     assert r"static mc\_sim\_7b\_63" in tex
+    # a tree that counted its drafted nodes (MoA's code; every run recorded before root_counted) says so
+    assert tree_of({"tree": {**dynamic, "root_counted": False}}) == "dynamic (depth 6, top-k 8, 62 drafted + the root)"
+    assert tree_of({"tree": {k: v for k, v in dynamic.items() if k != "root_counted"}}).endswith("62 drafted + the root)")
     assert tree_of({"name": "medusa", "tree": [[0], [1], [0, 0]]}) == "static (3 nodes, depth 2: 2/1 per depth)"
     # every paper table names the paper's tree
     assert all(t.paper_tree for exp in ("beagle_table1", "coral_table2", "moa_table2", "eagle_alpha")
