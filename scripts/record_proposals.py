@@ -40,11 +40,11 @@ class Recording:
         self.inner.on_verified(result, state)
 
 
-def record(names=None) -> dict:
+def record(names=None, overrides=()) -> dict:
     target = target_for()
     out = {}
     for name in names or DRAFTER_CONFIGS:
-        rec = Recording(make_drafter(name, target))
+        rec = Recording(make_drafter(name, target, *overrides))
         Engine(target, rec, SamplingParams()).generate(PROMPTS[1], MAX_NEW)
         out[name] = rec.trees
     return out
