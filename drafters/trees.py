@@ -10,7 +10,8 @@ Everything stays on the drafter's device: no host reads per node or per depth (t
   top-k, as `grow` does), so their lists are used as they are (conf/tree/static.yaml: EAGLE-1's mc_sim_7b_63).
 - DynamicTree (EAGLE-2, as used by Beagle, MoA and CORAL): at depth 1 keep the top-k children of the root; at every
   further depth expand the top-k frontier nodes by cumulative draft log-probability, each into its top-k children;
-  finally rerank every drafted node by cumulative log-probability and keep the best `total_tokens`.
+  finally rerank every drafted node by cumulative log-probability and keep the best `total_tokens - 1` (the root
+  makes `total_tokens`, the authors' count; `root_counted: false` keeps `total_tokens`, MoA's code's count).
 Drafted tokens are deterministic top-k choices, so the trees carry no q (verification uses q = 1, lossless).
 """
 from __future__ import annotations
