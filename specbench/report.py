@@ -584,9 +584,10 @@ def batch_key(summary: dict, head: dict) -> tuple:
 
 
 def below_one(speedups: dict[int, float | None]) -> str:
-    """The first batch size whose measured speedup is under 1.0x, '>' the largest measured when none is."""
+    """The first batch size whose measured speedup is under 1.0x, '>' the largest measured when none is. Judged on the
+    speedup as its cell prints it (two decimals), so a row never reads "1.00x" and "below 1.0x from" that B."""
     measured = sorted(b for b, v in speedups.items() if v is not None)
-    first = next((b for b in measured if speedups[b] < 1.0), None)
+    first = next((b for b in measured if round(speedups[b], 2) < 1.0), None)
     return MISSING if not measured else str(first) if first is not None else f"> {measured[-1]}"
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from specbench.records import read_jsonl
-from specbench.report import Setting, Table, experiment_report, load_failures, load_runs, render, report, tree_of
+from specbench.report import MISSING, Setting, Table, below_one, experiment_report, load_failures, load_runs, render, report, tree_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -200,6 +200,14 @@ def test_the_specbench_board_in_its_columns_with_the_published_board(tmp_path, t
     assert rows["eagle3"][1:] == ["–"] * 7 + ["– |"]
     assert "another target and device: Vicuna-7B-v1.3" in md
     assert rows["PLD (pld)"][1:] == ["1.60x", "1.06x", "2.66x", "1.19x", "1.62x", "1.86x", "1.75", "1.66x |"]
+
+
+def test_below_one_reads_the_speedup_as_printed():
+    """The "< 1.0x from B" column agrees with its cells: 0.996 prints as 1.00x and is not below 1.0x (CI once saw a
+    "1.00x" row marked below from B=1); 0.994 prints as 0.99x and is."""
+    assert below_one({1: 0.996, 2: 1.2}) == "> 2"
+    assert below_one({1: 1.1, 2: 0.994}) == "2"
+    assert below_one({1: None, 2: None}) == MISSING
 
 
 def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
