@@ -255,8 +255,10 @@ def load_authors_eagle3(path: Path, target) -> Eagle3Head:
                              f"target {target.name!r} has {target.vocab_size}")
     n = int(cfg.get("draft_vocab_size") or target.vocab_size)
     fc_in = 3 * int(cfg.get("target_hidden_size") or base.hidden_size)
-    layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or \
-        cfg.get("eagle_aux_hidden_state_layer_ids")
+    # SGLang's eagle_config names the output of layer i (it captures the input of layer i + 1); a top-level list, as
+    # vLLM reads it, names the input of layer i: our hidden_states index
+    sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = [i + 1 for i in sglang] if sglang else cfg.get("eagle_aux_hidden_state_layer_ids")
     layers = tuple(layers) if layers else default_layers(base.num_hidden_layers)
     theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
     heads = cfg["num_attention_heads"]

@@ -226,6 +226,21 @@ def test_a_head_saved_for_serving_has_the_engines_keys_and_fields(tmp_path, fmt)
         assert LLAMA_FIELDS <= set(cfg["transformer_layer_config"])
 
 
+def test_a_head_on_other_layers_exported_for_sglang_reads_back_on_the_same_layers(tmp_path):
+    # SGLang's eagle_config counts layer outputs (it captures layer i + 1's input): export writes index - 1, the
+    # loader must add the 1 back, or the head fuses the wrong features
+    target = tiny_target(seed=0, scale=20.0)
+    tree = {"kind": "dynamic", "depth": 4, "topk": 4, "total_tokens": 12}
+    d = Eagle3Drafter(target, module={"layers": [1, 3, 5]}, tree=tree)
+    _jitter(d.head)
+    out = d.save_for_serving(tmp_path / "sgl", "sglang", "org/tiny")
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    again = Eagle3Drafter(target, checkpoint=str(out), tree=tree)
+    assert again.hidden_layers == (1, 3, 5)
+    prompt = [5, 17, 33, 17, 33, 9, 2]
+    assert engine_greedy(target, again, prompt, 30) == hf_greedy(target.model, prompt, 30)
+
+
 def test_an_unknown_serving_format_is_one_line(tmp_path):
     d = Eagle3Drafter(tiny_target(seed=0))
     with pytest.raises(SpecbenchError, match="export.format='vllm' is not one of sglang, speculators"):
