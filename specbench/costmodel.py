@@ -193,11 +193,18 @@ def base_nodes(base: dict) -> int:
 
 
 # ---- measuring -------------------------------------------------------------------------------------------------------
+VERIFY_REPEATS = 7  # timed rounds of the target's forwards per calibration (after one warm-up round)
+
 @torch.inference_mode()
-def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: int = 5, batch: int = 1) -> TargetCost:
+def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: int = VERIFY_REPEATS,
+                batch: int = 1) -> TargetCost:
     """One target forward over `batch` rows of Q new tokens each, behind `context` cached ones, per Q in `sizes`, on
     the path the engine takes: the run's cache (model.cache; model.compile's static one) at batch 1, and at batch B
-    generate_batch's (a preallocated cache, a per-row 4D mask and positions, even for one token)."""
+    generate_batch's (a preallocated cache, a per-row 4D mask and positions, even for one token). The sizes are timed
+    in rounds (each round one forward per size, the first round a warm-up), so that a host whose speed drifts during
+    the calibration shifts every size alike: the model reads verify(Q) against verify(1), and timing the sizes one
+    after another once made that ratio the drift's (AMD EPYC, 2026-11-25: Q = 8 timed 91, 116 and 128 ms in three
+    calibrations of one context, the 91 paired with a slow Q = 1)."""
     dev = target.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (batch, context), generator=g).to(dev)
@@ -215,26 +222,26 @@ def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: in
         prefills.append(time.perf_counter() - t0)
     cache = new_cache()
     target.prefill(ids, cache)
-    seconds = []
-    for q in sizes:
-        tokens = torch.randint(0, target.vocab_size, (batch, q - 1), generator=g).to(dev)
-        parents = torch.full((q - 1,), -1, dtype=torch.long, device=dev)  # a star: the tree mask, not the causal one
-        anc = ancestor_matrix(parents)
-        times = []
-        for r in range(repeats + 1):
+    tokens = {q: torch.randint(0, target.vocab_size, (batch, q - 1), generator=g).to(dev) for q in sizes}
+    # a star: the tree mask, not the causal one
+    anc = {q: ancestor_matrix(torch.full((q - 1,), -1, dtype=torch.long, device=dev)) for q in sizes}
+    times: dict[int, list[float]] = {q: [] for q in sizes}
+    for r in range(repeats + 1):  # round 0 is the warm-up
+        for q in sizes:
             sync(dev)
             t0 = time.perf_counter()
             if batch == 1:
-                target.verify(ids[:, -1:], tokens, anc, cache, causal=q == 1)
+                target.verify(ids[:, -1:], tokens[q], anc[q], cache, causal=q == 1)
             else:  # as generate_batch: every row's mask and positions built per step, on the device
                 lengths = torch.full((batch,), context, device=dev)
-                mask = batch_tree_mask(anc[None].expand(batch, q, q), lengths, context + q, target.dtype)
-                pos = tree_position_ids(anc, context).expand(batch, q)
-                target.forward(torch.cat([ids[:, -1:], tokens], 1), cache, position_ids=pos, attention_mask=mask)
+                mask = batch_tree_mask(anc[q][None].expand(batch, q, q), lengths, context + q, target.dtype)
+                pos = tree_position_ids(anc[q], context).expand(batch, q)
+                target.forward(torch.cat([ids[:, -1:], tokens[q]], 1), cache, position_ids=pos, attention_mask=mask)
             sync(dev)
-            times.append(time.perf_counter() - t0)
+            if r:
+                times[q].append(time.perf_counter() - t0)
             cache.crop(context - cache.get_seq_length())  # transformers 5: a negative count
-        seconds.append(statistics.median(times[1:]))  # the first is the warm-up
+    seconds = [statistics.median(times[q]) for q in sizes]
     return TargetCost(prompt, statistics.median(prefills), context, sizes, seconds, batch)
 
 
@@ -333,7 +340,8 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
     path = {**({"cache": target.cache} if target.cache != "dynamic" else {}),
             **({"compile": True} if target.compiled is not None else {}), **({"batch": batch} if batch > 1 else {})}
     tpath = cache_path(cache_root, target.device, model, target.dtype, "target",
-                       {"prompt": prompt, "context": context, "sizes": sizes, **path})
+                       {"prompt": prompt, "context": context, "sizes": sizes, **path,
+                        "timing": f"rounds of every size, median of {VERIFY_REPEATS}"})  # older files timed sizes in turn
     tcost, tpath = cached(tpath, lambda: time_verify(target, prompt, context, sizes, batch=batch), TargetCost)
     key = {**drafter_key, "base": base, "calibration": asdict(auto) | {"prompts": prompts}, **path}
     dpath = cache_path(cache_root, target.device, model, target.dtype, drafter_key.get("name", "drafter"), key)

@@ -193,3 +193,22 @@ def test_the_verify_cost_is_timed_on_the_engines_path():
     compiled = TargetModel(tiny_llama(layers=2), None, torch.device("cpu"), "tiny", compile="aot_eager")
     long = time_verify(compiled, 8, 1100, [1, 40], repeats=1)
     assert all(t > 0 for t in long.seconds)
+
+
+def test_the_verify_sizes_are_timed_in_rounds():
+    """Every round times each size once (round 0 the warm-up): a host whose speed drifts during a calibration then
+    shifts every size alike, where sizes timed one after another made verify(Q) / verify(1) the drift's."""
+    from specbench.costmodel import time_verify
+    from specbench.target import TargetModel
+    from tests.helpers import tiny_llama
+
+    order = []
+
+    class Spy(TargetModel):
+        def verify(self, root, tokens, anc, cache, **kw):
+            order.append(tokens.shape[1] + 1)
+            return super().verify(root, tokens, anc, cache, **kw)
+
+    target = Spy(tiny_llama(layers=2), None, torch.device("cpu"), "tiny")
+    cost = time_verify(target, 8, 12, [1, 3, 6], repeats=2)
+    assert order == [1, 3, 6] * 3 and cost.sizes == [1, 3, 6] and len(cost.seconds) == 3
