@@ -73,5 +73,6 @@ def test_committed_drafters_load_on_the_embedded_target_in_half_precision(make_c
             assert "does not fit" in str(e), e
             misfits.add(path.parent.name)
             continue
-        assert next(module.parameters()).dtype == target.dtype, path.parent.name
+        # every floating tensor in the target's dtype (EAGLE-3's d2t is an integer buffer-like parameter)
+        assert {p.dtype for p in module.parameters() if p.is_floating_point()} == {target.dtype}, path.parent.name
     assert not misfits  # every committed drafter loads (moa_tli1 did not, until retrained for MoA's rebuilt module)
