@@ -9,6 +9,9 @@ computed it:
 - the drafter's path: the drafter's own engine over the prompt, up to token j; the logits row captured is the tree
   row that chose token j (the row of the node below which it was accepted, or drawn as the bonus).
 
+A turn decoded in a batch (decoding.batch_size > 1) is replayed as each run decoded it: that run's whole batch (its
+rows and budgets), capturing the diverging row (classify_batch).
+
 It is a **near-tie** only when each path reproduces its own run's token (the baseline's row argmax is the baseline's
 token, the tree row's argmax is the drafter's) and the swing between the paths is rounding-sized: how far the
 baseline's row puts its token above the drafter's, plus how far the tree row puts the drafter's above the baseline's,
@@ -59,8 +62,28 @@ def classify(baseline_engine, drafter_engine, prompt_ids: list[int], position: i
     for name, engine in (("baseline", baseline_engine), ("drafter", drafter_engine)):
         gen = engine.generate(prompt_ids, position + 1, None, context, capture_at=position)
         rows[name] = gen.captured
-    base = _path(rows["baseline"], theirs, ours)
-    draft = _path(rows["drafter"], ours, theirs)
+    return judge(rows["baseline"], rows["drafter"], ours, theirs, dtype)
+
+
+def classify_batch(baseline_engine, baseline_batch: tuple[list, list, int], drafter_engine,
+                   drafter_batch: tuple[list, list, int], position: int, ours: int, theirs: int,
+                   context: int | None = None, dtype: torch.dtype = torch.float32) -> dict:
+    """As classify, for a turn decoded in a batch (decoding.batch_size > 1): a batched forward may round otherwise
+    than a lone one, so each path replays its own batch (baseline_batch / drafter_batch: (prompts, budgets, row), the
+    rows that run decoded together with their budgets, so that the same rows share every forward and leave at the
+    same steps, and the diverging turn's row among them) and captures that row's logits at `position`."""
+    rows = {}
+    for name, engine, (prompts, budgets, row) in (("baseline", baseline_engine, baseline_batch),
+                                                  ("drafter", drafter_engine, drafter_batch)):
+        out = engine.generate_batch(prompts, budgets, None, context, capture_at={row: position})
+        rows[name] = out.rows[row].captured
+    return {**judge(rows["baseline"], rows["drafter"], ours, theirs, dtype), "replayed": f"batch {len(prompts)}"}
+
+
+def judge(baseline_row: torch.Tensor, drafter_row: torch.Tensor, ours: int, theirs: int, dtype: torch.dtype) -> dict:
+    """The rule above, on the logits row each path chose its token at ([V] each)."""
+    base = _path(baseline_row, theirs, ours)
+    draft = _path(drafter_row, ours, theirs)
     swing = base["own_minus_other"] + draft["own_minus_other"]  # >= 0 when both reproduce
     tol = NEAR_TIE_ULPS * max(abs(base["top_logit"]), abs(draft["top_logit"])) * torch.finfo(dtype).eps
     tie = base["reproduces"] and draft["reproduces"] and swing <= tol

@@ -260,7 +260,7 @@ class Engine:
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                        generators: list[torch.Generator | None] | None = None,
-                       context: int | None = None) -> BatchGeneration:
+                       context: int | None = None, capture_at: dict[int, int] | None = None) -> BatchGeneration:
         """B prompts decoded together: one prefill, then per step each row's drafter (its own instance,
         Drafter.fork) proposes its tree, the trees are padded to one node count and verified in one target forward
         (per-row tree masks and positions over a ragged preallocated cache), acceptance runs per row on the device
@@ -268,7 +268,8 @@ class Engine:
         batch shrinks rather than refills, so every row of a batch of B is decoded beside the same prompts at every
         B-sweep point (continuous batching would mix in prompts from later batches). At T=0 each row's output is
         its prompt's greedy output (at this batch's numerics: a batched matmul may round differently from a lone
-        one); at T>0 each row samples with its own generator. `context` as in generate()."""
+        one); at T>0 each row samples with its own generator. `context` as in generate(). capture_at {row: k}: as
+        generate()'s, per row (the divergence replay of a batched turn, specbench/divergence.py)."""
         target, dev, devs, eos = self.target, self.target.device, self.target.devices, self.target.eos_token_ids
         if target.compiled is not None:  # (its drafters' forks would share one static cache)
             raise SpecbenchError("model.compile=true decodes one prompt at a time (decoding.batch_size=1)")
@@ -298,6 +299,10 @@ class Engine:
             first = [int(sample(logits_to_probs(logits[i], self.sampling), generators[i])) for i in range(b)]
         cache.set_row_lengths(lens)
         gens = [Generation(new_tokens=[first[i]], prompt_tokens=lens[i], wall_s=0.0, prefill_s=0.0) for i in range(b)]
+        capture_at = capture_at or {}
+        for i, k in capture_at.items():
+            if k == 0:
+                gens[i].captured = logits[i].clone()
         tokens = [torch.cat([ids[i : i + 1, : lens[i]], torch.tensor([[first[i]]], device=dev)], 1) for i in range(b)]
         states = {}
         for i in range(b):
@@ -377,7 +382,10 @@ class Engine:
             for r, i in enumerate(active):
                 gen, (node_tokens, parents, path, next_token, recovered) = gens[i], outcome[r]
                 gen.verify_s += verify_s
+                before = len(gen.new_tokens)
                 emitted, done = _emit(gen, [node_tokens[j] for j in path] + [next_token], eos, budgets[i])
+                if before <= capture_at.get(i, -1) < before + len(emitted):  # chosen at its parent's row, as generate()
+                    gen.captured = fwd.logits[r, ([0] + [j + 1 for j in path])[capture_at[i] - before]].clone()
                 self._count_step(gen, trees[r], emitted, parents, path, recovered)
                 prefix[r] += 1 + len(path)
                 if done:

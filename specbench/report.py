@@ -605,7 +605,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
         head = ["method", "dataset", "tree"] + [f"B={b}" for b in sizes] + ["< 1.0x from B"]
-        rows = []
+        rows, use_rows = [], []
         for ds in datasets:
             for d in drafters:
                 for variant in ("paper", "auto"):
@@ -616,6 +616,9 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                                                     f"{cell(r, 'spu')} ({cell(r, 'tau')}){_unequal(r)}"
                                                     for r in runs.values()]
                                 + [below_one({b: value(r, "spu") for b, r in runs.items()})])
+                    use_rows.append([f"{d} ({variant})", ds] + [MISSING if r is None else
+                                                                f"{cell(r, 'speed')} / {cell(r, 'mem')}"
+                                                                for r in runs.values()])
         base_head = ["dataset"] + [f"B={b}" for b in sizes]
         base_rows = []
         for ds in datasets:
@@ -629,14 +632,18 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                    f"decoded together, each row its own tree, one target forward verifying all rows; speed = the "
                    f"batch's throughput), T=0, at each drafter's paper tree and at tree=auto sized per B (the cost "
                    f"model times B x (tree + 1) tokens per forward and B drafters per step); {setting.describe()}. "
-                   f"'≠k/n': k of the n compared turns differ from the baseline's at the same B (at B > 1 left "
-                   f"unclassified: the near-tie replays run at batch 1). {provenance(used) if used else 'no runs yet'}.")
+                   f"'≠k/n': k of the n compared turns differ from the baseline's at the same B (each classified in "
+                   f"its record, near-tie or mismatch, by replaying both runs' own batches). "
+                   f"{provenance(used) if used else 'no runs yet'}.")
         md = md_table(caption, head, rows) + [""] + md_table(
             "The baseline per batch size: throughput, peak memory, and its turns whose output differs from its own "
             "batch-1 output (B = 1 decodes through Engine.generate on model.cache, B > 1 through generate_batch on a "
             "preallocated cache with explicit masks: a difference is the rounding of batched matmuls or of the other "
             "path; each drafter is compared with the baseline at its own B).",
-            base_head, base_rows)
+            base_head, base_rows) + [""] + md_table(
+            "Each drafter's throughput (tokens/s, summed over the batch's rows) / peak memory (GiB: the target, the "
+            "drafter, their caches) per batch size; the baseline's are in the table above.",
+            ["method (tree)", "dataset"] + [f"B={b}" for b in sizes], use_rows)
         written.append(write_md(exp_dir / f"{table.name}.{stem}.md", md))
         if figure:
             figure_batch(cells, sizes, datasets[0] if datasets else None, exp_dir / f"batch.{stem}.png")

@@ -391,8 +391,7 @@ class Runner:
                         g = turn.gens.get(i) or Generation(new_tokens=[], prompt_tokens=len(turn.prompts[i]),
                                                            wall_s=0.0, prefill_s=0.0)
                         qrows = rows[q.question_id]
-                        row = self._turn_record(q, turn.turn, repeat, g, turn.peak, turn.prompts[i], turn.budgets[i],
-                                                reference, engine, context,
+                        row = self._turn_record(q, turn, i, g, reference, engine, context,
                                                 diverged=any(r["first_divergence"] is not None for r in qrows))
                         if turn.batch is not None and i in turn.gens:
                             row["batch"] = turn.batch
@@ -447,30 +446,59 @@ class Runner:
             yield DecodedTurn(turn, members, prompts, budgets, gens, batch, peak)
             for i, (_, q) in enumerate(members):
                 g = gens.get(i)
-                answers[q.question_id].append(
-                    self.target.tokenizer.decode(g.new_tokens if g else [], skip_special_tokens=True).strip())
+                answers[q.question_id].append(self._answer(g.new_tokens if g else []))
 
-    def _turn_record(self, q: Question, turn: int, repeat: int, g: Generation, mem: dict, ids: list[int], budget: int,
-                     reference: dict, engine: Engine, context: int | None, diverged: bool) -> dict:
-        """One turn's record: compared with the baseline's output unless an earlier turn of the question left it (this
-        turn's prompt then holds other words); a divergence classified as a near-tie or a mismatch by replays at
-        batch 1 (specbench/divergence.py), or left unclassified when the turn was decoded in a batch."""
+    def _answer(self, ids: list[int]) -> str:
+        """A turn's answer as the next turn's prompt holds it."""
+        return self.target.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+    def _turn_record(self, q: Question, turn: DecodedTurn, member: int, g: Generation, reference: dict, engine: Engine,
+                     context: int | None, diverged: bool) -> dict:
+        """Member `member`'s record of a decoded turn: compared with the baseline's output unless an earlier turn of
+        the question left it (this turn's prompt then holds other words); a divergence classified as a near-tie or a
+        mismatch by replays (specbench/divergence.py): at batch 1, or of each path's own batch when the turn was
+        decoded in one."""
+        ids, budget = turn.prompts[member], turn.budgets[member]
         if budget < self.decoding.max_new_tokens and g.stopped_by == "max_new_tokens":
             g.stopped_by = "context"
-        ref = None if diverged else reference.get((q.question_id, turn))
-        row = self._record(q, turn, repeat, g, mem, ref)
+        ref = None if diverged else reference.get((q.question_id, turn.turn))
+        row = self._record(q, turn.turn, turn.members[member][0], g, turn.peak, ref)
         if diverged:
             row["after_divergence"] = True
         j = row["first_divergence"]
-        if j is not None and j < min(len(ref), len(g.new_tokens)) and self.decoding.batch_size > 1:
-            # a batch-1 replay does not reproduce a batched forward's rounding: a near-tie would read as a mismatch
-            row["divergence"] = {"position": j, "kind": "unclassified",
-                                 "why": f"decoded at batch {self.decoding.batch_size}; replays are at batch 1"}
-        elif j is not None and j < min(len(ref), len(g.new_tokens)):  # not one output a prefix of the other
-            replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
-            row["divergence"] = {"position": j, **divergence.classify(
-                replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)}
+        if j is None or j >= min(len(ref), len(g.new_tokens)):  # equal, or one output a prefix of the other
+            return row
+        replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
+        if self.decoding.batch_size == 1:
+            kind = divergence.classify(replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)
+        else:
+            theirs = self._reference_prompts(turn, reference)
+            if theirs is None:
+                kind = {"kind": "unclassified", "why": "the baseline's records lack an earlier turn of this batch"}
+            else:
+                kind = divergence.classify_batch(replay, self._decoded_rows(theirs, member), engine,
+                                                 self._decoded_rows(turn.prompts, member), j, g.new_tokens[j], ref[j],
+                                                 context, self.target.dtype)
+        row["divergence"] = {"position": j, **kind}
         return row
+
+    def _reference_prompts(self, turn: DecodedTurn, reference: dict) -> list[list[int]] | None:
+        """The prompts of the baseline's own batch at this turn: each member's holds the baseline's earlier answers
+        (after a divergence in an earlier turn they are not this run's); None if its records lack one."""
+        prompts = []
+        for _, q in turn.members:
+            earlier = [reference.get((q.question_id, k)) for k in range(turn.turn)]
+            if any(e is None for e in earlier):
+                return None
+            prompts.append(self.prompt_ids(q, turn.turn, [self._answer(e) for e in earlier]))
+        return prompts
+
+    def _decoded_rows(self, prompts: list[list[int]], member: int) -> tuple[list, list, int]:
+        """A turn's batch as Runner._turns decodes it -> (prompts, budgets, row of `member`): the members with a
+        budget."""
+        budgets = [self.budget(len(p)) for p in prompts]
+        live = [k for k, b in enumerate(budgets) if b > 0]
+        return [prompts[k] for k in live], [budgets[k] for k in live], live.index(member)
 
     @staticmethod
     def _record(q: Question, turn: int, repeat: int, g: Generation, mem: dict, ref: list[int] | None) -> dict:

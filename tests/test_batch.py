@@ -16,7 +16,7 @@ from specbench.tree import additive, ancestor_matrix, batch_tree_mask, padded_an
 from specbench.types import SamplingParams
 from tests.helpers import RandomTreeDrafter, hf_greedy, tiny_llama
 from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter, target_for
-from tests.test_distribution import DRAFTERS, PROMPT, chi2_pvalue, exact_law, target, tv
+from tests.test_distribution import CASES, DRAFTERS, PROMPT, chi2_pvalue, exact_law, target, tv
 
 BUDGETS = [60, 23, 41]  # rows leave the batch at different steps
 
@@ -45,6 +45,20 @@ def test_batch_of_one_is_generate():
         ref = Engine(t, make_drafter(name, t), SamplingParams()).generate(PROMPTS[0], 30)
         assert (one.new_tokens, one.tokens_per_step, one.tree_sizes) == (ref.new_tokens, ref.tokens_per_step,
                                                                           ref.tree_sizes)
+
+
+def test_capture_at_takes_each_rows_choosing_logits():
+    """generate_batch(capture_at={row: k}): the logits row that chose row's new token k (the divergence replay of a
+    batched turn), as generate(capture_at=k) takes it at batch 1."""
+    t = target_for()
+    for name in ("none", "eagle2"):
+        engine = Engine(t, make_drafter(name, t), SamplingParams())
+        for row, k in ((0, 0), (1, 5), (2, 17)):
+            got = engine.generate_batch(PROMPTS, BUDGETS, capture_at={row: k}).rows
+            assert all(g.captured is None for i, g in enumerate(got) if i != row)
+            alone = engine.generate(PROMPTS[row], BUDGETS[row], capture_at=k).captured
+            assert int(got[row].captured.argmax()) == got[row].new_tokens[k] == int(alone.argmax())
+            torch.testing.assert_close(got[row].captured.float(), alone.float(), rtol=1e-4, atol=1e-4)
 
 
 def eos_target() -> tuple:
@@ -78,24 +92,32 @@ def test_every_drafter_batched_stops_each_row_at_its_eos(name):
     assert batch.rows[0].stopped_by == "eos"
 
 
-def test_one_engine_read_per_step():
+@pytest.mark.parametrize("name", DRAFTER_CONFIGS)
+def test_one_engine_read_per_step(name):
     """The engine reads the whole batch's trees and outcomes with one transfer per step (rows leaving the batch cost
-    one copy of the remaining rows' index to the device); the drafters' own reads are each row's, bounded per row in
-    tests/test_roundtrips.py."""
+    one copy of the remaining rows' index to the device); each row's drafter reads what it reads decoding that row
+    alone (its per-step reads bounded in tests/test_roundtrips.py), so the drafters' reads grow with B only where a
+    drafter reads per row at batch 1 too (pld, coral_router)."""
     t = target_for()
-    for name in ("none", "eagle2", "sd_tree", "moa"):
-        engine = Engine(t, make_drafter(name, t), SamplingParams())
-        engine.generate_batch(PROMPTS, 20)
-        with HostRoundTrips() as prefill_only:
-            engine.generate_batch(PROMPTS, 1)
-        inner, engine.drafter = engine.drafter, CountedDrafter(engine.drafter)
-        with HostRoundTrips() as whole:
-            g = engine.generate_batch(PROMPTS, 20)
-        engine_reads = whole.total - prefill_only.total - engine.drafter.rt.total
-        left = sum(1 for a, b in zip(g.active, g.active[1:]) if b < a)  # steps after which rows left
-        # + 1: the rows' cache lengths, copied to the device once (a prefill-only batch has no rows left to decode)
-        assert engine_reads == g.steps + left + 1, (name, g.steps, left, whole.counts)
-        engine.drafter = inner
+    engine = Engine(t, make_drafter(name, t), SamplingParams())
+    engine.generate_batch(PROMPTS, 20)
+    with HostRoundTrips() as prefill_only:
+        engine.generate_batch(PROMPTS, 1)
+    inner, engine.drafter = engine.drafter, CountedDrafter(engine.drafter)
+    with HostRoundTrips() as whole:
+        g = engine.generate_batch(PROMPTS, 20)
+    drafters_reads = engine.drafter.rt.total
+    engine_reads = whole.total - prefill_only.total - drafters_reads
+    left = sum(1 for a, b in zip(g.active, g.active[1:]) if b < a)  # steps after which rows left
+    # + 1: the rows' cache lengths, copied to the device once (a prefill-only batch has no rows left to decode)
+    assert engine_reads == g.steps + left + 1, (name, g.steps, left, whole.counts)
+    alone = 0
+    for prompt in PROMPTS:
+        engine.drafter = CountedDrafter(inner)
+        engine.generate(prompt, 20)
+        alone += engine.drafter.rt.total
+    engine.drafter = inner
+    assert drafters_reads == alone, (name, drafters_reads, alone)
 
 
 def test_ragged_mask_rows_see_their_own_prefix_and_tree():
@@ -136,13 +158,10 @@ def test_compact_rows_keeps_each_rows_accepted_entries():
         assert torch.equal(lay.keys[0, :, 2:4], kv[i][0][1, :, 4:6]) and torch.equal(lay.values[0, :, 2:4], kv[i][1][1, :, 4:6])
 
 
-BATCHED = ["eagle2-dynamic-tree", "sd-sampling", "tree-iid-siblings"]
-
-
-@pytest.mark.parametrize("name", BATCHED)
-def test_batched_samples_follow_the_target_law(name):
-    """T>0, B = 3: every row of every batch is a sample of the target law (the rows' generators independent)."""
-    params = SamplingParams(temperature=1.0)
+@pytest.mark.parametrize(("name", "params"), CASES, ids=[f"{n}-T{p.temperature:g}-k{p.top_k}" for n, p in CASES])
+def test_batched_samples_follow_the_target_law(name, params):
+    """T>0, B = 3: every row of every batch is a sample of the target law (the rows' generators independent), for
+    every case of tests/test_distribution.py (each drafter kind at T=1; top-k / top-p warping)."""
     t = target()
     law = exact_law(t, params)
     eng = Engine(t, DRAFTERS[name](t), params)

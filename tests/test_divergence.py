@@ -88,6 +88,49 @@ def test_a_run_that_diverges_from_its_baseline_records_the_kind(make_cfg):
     assert summary["lossless"]["not_compared_after_divergence"] == 1
 
 
+def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(make_cfg, monkeypatch):
+    """decoding.batch_size=2 (the 3 questions in batches of 2 then 1). A verification bug injected in the engine (the
+    test's only) at one row's step of a batch: that row leaves its batched baseline, and the replays of both runs'
+    batches capture the diverging row at the diverging position (each gives the target's token there, as the
+    baseline emitted it): a mismatch, since the drafter's replayed row does not reproduce its run's token."""
+    from specbench import engine as engine_mod
+
+    batch = ("decoding.batch_size=2",)
+    base = Runner(make_cfg("drafter=none", *batch)).execute()
+    real, calls = engine_mod.greedy_accept, {"n": 0}
+
+    def buggy(tokens, parents, anc, target_argmax):
+        acc = real(tokens, parents, anc, target_argmax)
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 2 of the first batch, its first row (the replays run later: correct again)
+            return acc.__class__(acc.path, acc.length, (acc.next_token + 1) % 50, acc.recovered)
+        return acc
+
+    monkeypatch.setattr(engine_mod, "greedy_accept", buggy)
+    run = Runner(make_cfg("drafter=pld", *batch)).execute()
+    recs = read_jsonl(run.records_path)
+    off = [r for r in recs if r["matches_baseline"] is False]
+    assert len(off) == 1 and off[0]["batch"]["size"] == 2
+    d, j = off[0]["divergence"], off[0]["first_divergence"]
+    ref = {(r["question_id"], r["turn"]): r["new_token_ids"] for r in read_jsonl(base.records_path)}
+    theirs = ref[(off[0]["question_id"], off[0]["turn"])][j]
+    assert d["kind"] == "mismatch" and d["replayed"] == "batch 2" and d["position"] == j
+    assert d["baseline"]["reproduces"] and not d["drafter"]["reproduces"]
+    assert d["baseline"]["token"] == d["drafter"]["token"] == theirs != off[0]["new_token_ids"][j]
+    # an altered baseline record (as another dtype's rounding might leave it) at a batched turn: the baseline's own
+    # replay does not reproduce it
+    monkeypatch.setattr(engine_mod, "greedy_accept", real)
+    rows = read_jsonl(base.records_path)
+    rows[0]["new_token_ids"][3] = (rows[0]["new_token_ids"][3] + 1) % 50
+    base.records_path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    again = Runner(make_cfg("drafter=eagle2", "drafter.checkpoint=null", "bench.baseline=false", *batch)).execute()
+    first = next(r for r in read_jsonl(again.records_path)
+                 if (r["question_id"], r["turn"]) == (rows[0]["question_id"], rows[0]["turn"]))
+    d = first["divergence"]
+    assert first["first_divergence"] == 3 and d["kind"] == "mismatch" and d["drafter"]["reproduces"]
+    assert not d["baseline"]["reproduces"]
+
+
 def test_a_verification_that_emits_its_rows_runner_up_is_a_mismatch(make_cfg, monkeypatch):
     """A verification bug injected in the test only: at the first step whose root row has its two best tokens within
     the old rule's margin (8·|l1|·eps(bf16)), the row's top two logits are swapped, so the step emits the runner-up of

@@ -235,6 +235,9 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     base = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in md.splitlines()
             if line.startswith("| mtbench")}
     assert base["mtbench: turns ≠ batch 1"] == ["0 / 4", "0 / 4 |"]
+    # each drafter's throughput / peak memory per B (memory '–' where the device reports none)
+    use = next(line.split(" | ") for line in md.splitlines() if line.startswith("| pld (paper) | mtbench"))
+    assert len(use) == 4 and all(re.fullmatch(r"\d+\.\d / (\d+\.\d\d|–)( \|)?", c) for c in use[2:]), use
 
 
 def test_the_two_baselines_table(tmp_path, tiny_checkpoint):
@@ -264,3 +267,16 @@ def test_the_two_baselines_table(tmp_path, tiny_checkpoint):
         assert all(r.get("graphs_compiled", 0) == 0 for r in recs)
         compiled = bool(json.loads((run.parent / "run.json").read_text())["model_identity"].get("compile"))
         assert all(("graphs_compiled" in r) == compiled for r in recs)
+
+
+def test_the_every_drafter_experiments_sweep_every_drafter():
+    """tree_auto, specbench_board, batch_sweep and two_baselines promise every drafter: their sweeps (and the board's
+    table) list each conf/drafter YAML, so a drafter added later cannot be left out silently (eagle3 was, from two)."""
+    import yaml
+
+    drafters = {p.stem for p in (REPO / "conf" / "drafter").glob("*.yaml")} - {"none"}
+    for name in ("tree_auto", "specbench_board", "batch_sweep", "two_baselines"):
+        exp = yaml.safe_load((REPO / "conf" / "experiment" / f"{name}.yaml").read_text())
+        assert set(exp["hydra"]["sweeper"]["params"]["drafter"].split(",")) - {"none"} == drafters, name
+        for table in exp["report"]["tables"]:
+            assert set(table.get("drafters", drafters)) == drafters, name
