@@ -62,7 +62,7 @@ def classify(baseline_engine, drafter_engine, prompt_ids: list[int], position: i
     for name, engine in (("baseline", baseline_engine), ("drafter", drafter_engine)):
         gen = engine.generate(prompt_ids, position + 1, None, context, capture_at=position)
         rows[name] = gen.captured
-    return judge(rows["baseline"], rows["drafter"], ours, theirs, dtype)
+    return judge(rows["baseline"], rows["drafter"], ours, theirs, dtype, position)
 
 
 def classify_batch(baseline_engine, baseline_batch: tuple[list, list, int], drafter_engine,
@@ -77,11 +77,17 @@ def classify_batch(baseline_engine, baseline_batch: tuple[list, list, int], draf
                                                   ("drafter", drafter_engine, drafter_batch)):
         out = engine.generate_batch(prompts, budgets, None, context, capture_at={row: position})
         rows[name] = out.rows[row].captured
-    return {**judge(rows["baseline"], rows["drafter"], ours, theirs, dtype), "replayed": f"batch {len(prompts)}"}
+    return {**judge(rows["baseline"], rows["drafter"], ours, theirs, dtype, position),
+            "replayed": f"batches of {len(baseline_batch[0])} (baseline) and {len(drafter_batch[0])} (drafter)"}
 
 
-def judge(baseline_row: torch.Tensor, drafter_row: torch.Tensor, ours: int, theirs: int, dtype: torch.dtype) -> dict:
-    """The rule above, on the logits row each path chose its token at ([V] each)."""
+def judge(baseline_row: torch.Tensor | None, drafter_row: torch.Tensor | None, ours: int, theirs: int,
+          dtype: torch.dtype, position: int) -> dict:
+    """The rule above, on the logits row each path chose its token at ([V] each); a replay that stopped before
+    `position` (None: an EOS earlier than its run's) does not reproduce its run: a mismatch."""
+    short = [name for name, row in (("baseline", baseline_row), ("drafter", drafter_row)) if row is None]
+    if short:
+        return {"kind": "mismatch", "why": f"the {' and '.join(short)} replay stopped before token {position}"}
     base = _path(baseline_row, theirs, ours)
     draft = _path(drafter_row, ours, theirs)
     swing = base["own_minus_other"] + draft["own_minus_other"]  # >= 0 when both reproduce

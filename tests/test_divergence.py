@@ -69,6 +69,16 @@ def test_a_swapped_acceptance_in_a_real_run_is_a_mismatch(make_cfg, monkeypatch)
     assert d["kind"] == "mismatch" and d["baseline"]["reproduces"] and not d["drafter"]["reproduces"]
 
 
+def test_a_replay_that_stops_early_is_a_mismatch():
+    """A replay that ends (EOS) before the diverging token does not reproduce its run: a mismatch, not a crash."""
+    class Short:
+        def generate(self, prompt, max_new, generator=None, context=None, capture_at=None):
+            return SimpleNamespace(captured=None)
+
+    d = divergence.classify(Replay([0.0, 5.0, 4.0]), Short(), [7], 3, 2, 1)
+    assert d["kind"] == "mismatch" and "drafter replay stopped before token 3" in d["why"]
+
+
 def test_a_run_that_diverges_from_its_baseline_records_the_kind(make_cfg):
     """The baseline's record is altered at one position (as another dtype's rounding might leave it): the drafter's
     turn is no longer lossless, its record says where and which kind, and the summary counts the kinds."""
@@ -102,7 +112,7 @@ def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(ma
     def buggy(tokens, parents, anc, target_argmax):
         acc = real(tokens, parents, anc, target_argmax)
         calls["n"] += 1
-        if calls["n"] == 3:  # step 2 of the first batch, its first row (the replays run later: correct again)
+        if calls["n"] == 4:  # step 2 of the first batch, its second row (the replays run later: correct again)
             return acc.__class__(acc.path, acc.length, (acc.next_token + 1) % 50, acc.recovered)
         return acc
 
@@ -110,11 +120,11 @@ def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(ma
     run = Runner(make_cfg("drafter=pld", *batch)).execute()
     recs = read_jsonl(run.records_path)
     off = [r for r in recs if r["matches_baseline"] is False]
-    assert len(off) == 1 and off[0]["batch"]["size"] == 2
+    assert len(off) == 1 and off[0]["batch"]["size"] == 2 and off[0]["question_id"] == "2"  # the batch's row 1
     d, j = off[0]["divergence"], off[0]["first_divergence"]
     ref = {(r["question_id"], r["turn"]): r["new_token_ids"] for r in read_jsonl(base.records_path)}
     theirs = ref[(off[0]["question_id"], off[0]["turn"])][j]
-    assert d["kind"] == "mismatch" and d["replayed"] == "batch 2" and d["position"] == j
+    assert d["kind"] == "mismatch" and d["replayed"] == "batches of 2 (baseline) and 2 (drafter)" and d["position"] == j
     assert d["baseline"]["reproduces"] and not d["drafter"]["reproduces"]
     assert d["baseline"]["token"] == d["drafter"]["token"] == theirs != off[0]["new_token_ids"][j]
     # an altered baseline record (as another dtype's rounding might leave it) at a batched turn: the baseline's own
