@@ -39,7 +39,8 @@ class ModelConfig:
     # preallocated = buffers sized to the run's context, written in place (specbench/kvcache.py, issue 30)
     cache: str = "dynamic"
     # compile = true: the target's tree forwards run through torch.compile over a static cache, trees padded to
-    # fixed row-count buckets (specbench/compiled.py BUCKETS) so nothing recompiles per step (CUDA: with CUDA graphs, mode reduce-overhead); issue 30
+    # fixed row-count buckets (specbench/compiled.py BUCKETS) so nothing recompiles per step (CUDA: with CUDA graphs,
+    # mode reduce-overhead); issue 30
     compile: bool = False
     revision: str | None = None
     # drafter -> the hub repository of its authors' published weights for this target (`make download` puts them in
