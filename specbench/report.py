@@ -674,20 +674,24 @@ def _differ(one: dict | None, other: dict | None) -> str:
 
 def figure_batch(cells: dict, sizes: list[int], dataset: str | None, path: Path) -> None:
     """Speedup against batch size per drafter (solid: paper tree, dashed: tree=auto), the 1.0x line."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     drafters = sorted({k[0] for k in cells if k[0] != "none" and k[1] == dataset})
+    # tab20, not the 10-colour cycle: with 13+ drafters C0..C9 repeat and two drafters would share a colour.
+    palette = plt.get_cmap("tab20")
     for i, d in enumerate(drafters):
         for variant, style in (("paper", "-"), ("auto", "--")):
             pts = [(b, value(cells.get((d, dataset, variant, b, 0.0)), "spu")) for b in sizes]
             pts = [(b, v) for b, v in pts if v is not None]
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", ms=3, color=f"C{i % 10}", label=f"{d} ({variant})")
+                ax.plot(*zip(*pts), style, marker="o", ms=3, color=palette(i % 20), label=f"{d} ({variant})")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B"), ax.set_ylabel(f"speedup vs the baseline at B ({dataset})")
     ax.set_title("solid: paper tree, dashed: tree=auto per B", fontsize=7)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=6, ncol=2)
+        # Outside the axes: inside, the legend of 2 x 13 lines covers the curves it names.
+        ax.legend(fontsize=6, ncol=2, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
     save(fig, path)
 
 
