@@ -285,7 +285,11 @@ class Engine:
         t0 = time.perf_counter()
         # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says
         need = width + max(budgets) + TREE_ROOM
-        cache = PreallocatedCache(target.model.config, min(need, context) if context else need)
+        # Bounded by the context, plus room for one padded tree: every row writes the step's widest tree (padding
+        # included), so a row whose prefix is near the context still writes up to max tree nodes past it (generate()
+        # writes only its own tree, which the context check keeps inside). Without the room, the buffers would be
+        # reallocated at twice their size mid-turn, there only.
+        cache = PreallocatedCache(target.model.config, min(need, context + TREE_ROOM) if context else need)
         capacity = need  # each row's drafter caches (unclamped, as in generate)
         layers = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()
         # right-padded prompts under the causal mask: a real token never sees the padding after it
@@ -320,6 +324,8 @@ class Engine:
         for i in range(b):
             if i not in active:
                 gens[i].wall_s = batch.prefill_s
+                del states[i]  # done at the prefill: neither its state nor its drafter is kept
+                drafters[i] = None
         prefix = [lens[i] for i in active]  # entries each active row holds (its root is not among them)
         lengths = torch.tensor(prefix, device=dev)  # [A] the same on the device: the masks read it, never the host
         if active and len(active) < b:
@@ -391,6 +397,10 @@ class Engine:
                 if done:
                     sync(devs)
                     gen.wall_s = time.perf_counter() - t0
+                    # its drafter (own caches) and its state (views of the cache buffers keep_rows replaces) go now,
+                    # not when the batch ends: a finished row holds no memory while the others decode
+                    del states[i]
+                    drafters[i] = None
                     continue
                 new = torch.cat([trees[r].tokens[0][keeps[r]], accs[r].next_token[None]])  # [A+1] == emitted
                 tokens[i] = torch.cat([tokens[i], new[None]], dim=1)

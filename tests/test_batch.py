@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specbench.engine import Engine
-from specbench.kvcache import PreallocatedCache
+from specbench.kvcache import PreallocatedCache, PreallocatedLayer
 from specbench.perf_drafters import CountedDrafter
 from specbench.roundtrips import HostRoundTrips
 from specbench.target import compact_rows
@@ -36,6 +36,34 @@ def test_every_drafter_batched_is_lossless_per_row(name):
         assert row.tokens_per_step == alone.tokens_per_step and row.tree_sizes == alone.tree_sizes
     assert batch.active[0] == 3 and batch.active[-1] == 1  # rows left the batch as they finished
     assert batch.steps == max(r.steps for r in batch.rows)
+
+
+def test_a_row_done_at_the_prefill_leaves_before_the_first_step():
+    """A row whose budget is one token is done at the prefill: the cache drops its row before the first verification
+    and the other rows decode as alone (the other rows' prefixes are still ragged)."""
+    t = target_for()
+    for name in ("none", "eagle2", "moa", "sd"):
+        rows = Engine(t, make_drafter(name, t), SamplingParams()).generate_batch(PROMPTS, [23, 1, 41]).rows
+        assert [r.new_tokens for r in rows] == [hf_greedy(t.model, p, n) for p, n in zip(PROMPTS, [23, 1, 41])]
+        assert rows[1].steps == 0
+
+
+def test_a_row_at_the_context_limit_does_not_regrow_the_cache(monkeypatch):
+    """With a context bound, a row near its end still writes the step's widest padded tree (another row's 59-node
+    tree): the cache is sized for it, so nothing is reallocated mid-turn, and each row stops where it stops alone."""
+    t = target_for()
+    context = len(PROMPTS[1]) + 60  # room for a 59-node tree behind the shortest prompt, soon none behind the longest
+    budgets = [context - len(p) for p in PROMPTS]  # every row runs up to the context's last position
+
+    def regrow(self, need):
+        raise AssertionError(f"cache reallocated to {need} positions")
+    monkeypatch.setattr(PreallocatedLayer, "_grow", regrow)
+    engine = Engine(t, make_drafter("eagle2", t), SamplingParams())
+    rows = engine.generate_batch(PROMPTS, budgets, context=context).rows
+    for prompt, n, row in zip(PROMPTS, budgets, rows):
+        alone = engine.generate(prompt, n, context=context)
+        assert row.new_tokens == alone.new_tokens == hf_greedy(t.model, prompt, n)
+        assert row.tree_sizes == alone.tree_sizes  # the same trees dropped at the context's end
 
 
 def test_batch_of_one_is_generate():
