@@ -687,14 +687,15 @@ def figure_batch(cells: dict, sizes: list[int], dataset: str | None, path: Path)
     """Speedup against batch size per drafter (solid: paper tree, dashed: tree=auto), the 1.0x line."""
     fig, ax = plt.subplots(figsize=(7.5, 4))
     drafters = sorted({k[0] for k in cells if k[0] != "none" and k[1] == dataset})
-    # tab20, not the 10-colour cycle: with 13+ drafters C0..C9 repeat and two drafters would share a colour.
-    palette = plt.get_cmap("tab20")
+    # 15 distinct hues: tab20's ten dark tones, then tab20b's five darkest. Not the 10-colour cycle (13+ drafters would
+    # repeat it) and not tab20 in order (its light/dark pairs made neighbouring drafters read as one drafter's two trees).
+    tones = [plt.get_cmap("tab20")(2 * k) for k in range(10)] + [plt.get_cmap("tab20b")(4 * k) for k in range(5)]
     for i, d in enumerate(drafters):
         for variant, style in (("paper", "-"), ("auto", "--")):
             pts = [(b, value(cells.get((d, dataset, variant, b, 0.0)), "spu")) for b in sizes]
             pts = [(b, v) for b, v in pts if v is not None]
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", ms=3, color=palette(i % 20), label=f"{d} ({variant})")
+                ax.plot(*zip(*pts), style, marker="o", ms=3, color=tones[i % len(tones)], label=f"{d} ({variant})")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B"), ax.set_ylabel(f"speedup vs the baseline at B ({dataset})")
