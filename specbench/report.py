@@ -602,6 +602,17 @@ def below_one(speedups: dict[int, float | None]) -> str:
     return str(measured[i])
 
 
+def predicted_speedup(auto_run: dict | None, variant: str) -> float | None:
+    """The cost model's speedup at a B, from that B's tree=auto run (run.json `tree_auto`, specbench/costmodel.py): its
+    chosen tree's prediction for the auto row, and for the paper row its prediction of the tree it cut, `base` =
+    the drafter's paper tree (conf/tree/auto.yaml: base = ${paper_tree}; pld / sd / medusa: their own default), both
+    with the target timed at that B. None without an auto run."""
+    auto = auto_run["_head"].get("tree_auto") if auto_run else None
+    if not auto:
+        return None
+    return (auto["predicted"] if variant == "auto" else auto["base_predicted"])["speedup"]
+
+
 def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
     """Each drafter's speedup (and per-row τ) against the baseline at the same batch size, B = every size run, at its
     paper tree and at tree=auto sized per B; the batch size from which it stays below 1.0x; the baseline's throughput
@@ -615,7 +626,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
         present = {k[1] for k in cells}
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
-        head = ["method", "dataset", "tree"] + [f"B={b}" for b in sizes] + ["< 1.0x from B on"]
+        head = ["method", "dataset", "tree"] + [f"B={b}" for b in sizes] + ["< 1.0x from B on", "predicted"]
         rows, use_rows = [], []
         for ds in datasets:
             for d in drafters:
@@ -626,7 +637,9 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                     rows.append([d, ds, variant] + [MISSING if r is None else
                                                     f"{cell(r, 'spu')} ({cell(r, 'tau')}){_unequal(r)}"
                                                     for r in runs.values()]
-                                + [below_one({b: value(r, "spu") for b, r in runs.items()})])
+                                + [below_one({b: value(r, "spu") for b, r in runs.items()}),
+                                   below_one({b: predicted_speedup(cells.get((d, ds, "auto", b, 0.0)), variant)
+                                              for b in sizes})])
                     use_rows.append([f"{d} ({variant})", ds] + [MISSING if r is None else
                                                                 f"{cell(r, 'speed')} / {cell(r, 'mem')}"
                                                                 for r in runs.values()])
@@ -644,7 +657,10 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                    f"batch's throughput), T=0, at each drafter's paper tree and at tree=auto sized per B (the cost "
                    f"model times B x (tree + 1) tokens per forward and B drafters per step); {setting.describe()}. "
                    f"'≠k/n': k of the n compared turns differ from the baseline's at the same B (each classified in "
-                   f"its record, near-tie or mismatch, by replaying both runs' own batches). "
+                   f"its record, near-tie or mismatch, by replaying both runs' own batches). 'predicted': the same "
+                   f"column from the cost model's predicted speedups (each B's tree=auto run: its chosen tree for the "
+                   f"auto row, the paper tree it cut for the paper row, the target timed at that B), so a reader sees "
+                   f"whether the model that sizes the trees foresaw where drafting stops paying. "
                    f"{provenance(used) if used else 'no runs yet'}.")
         md = md_table(caption, head, rows) + [""] + md_table(
             "The baseline per batch size: throughput, peak memory, and its turns whose output differs from its own "

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from specbench.records import read_jsonl
-from specbench.report import MISSING, Setting, Table, below_one, experiment_report, load_failures, load_runs, render, report, tree_of
+from specbench.report import (MISSING, Setting, Table, below_one, experiment_report, load_failures, load_runs,
+                              predicted_speedup, render, report, tree_of)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -220,6 +221,20 @@ def test_below_one_is_where_it_stops_paying():
     assert below_one({1: 0.9, 2: None, 4: 0.8}) == "1"  # a B not run is skipped, not read as paying
 
 
+def test_the_predicted_column_reads_each_bs_auto_run():
+    """The 'predicted' column: the cost model's speedups from each B's tree=auto run record, its chosen tree's for
+    the auto row and its paper tree's (`base_predicted`) for the paper row; a B without an auto run is skipped."""
+    def auto_run(chosen, paper):
+        return {"_head": {"tree_auto": {"predicted": {"speedup": chosen}, "base_predicted": {"speedup": paper}}}}
+
+    runs = {1: auto_run(0.97, 0.35), 2: auto_run(1.21, 0.31), 4: auto_run(0.75, 0.17), 8: None}
+    assert predicted_speedup(runs[2], "auto") == 1.21 and predicted_speedup(runs[2], "paper") == 0.31
+    assert predicted_speedup(None, "auto") is None
+    assert predicted_speedup({"_head": {}}, "paper") is None  # a paper-tree run records no prediction
+    assert below_one({b: predicted_speedup(r, "auto") for b, r in runs.items()}) == "4"
+    assert below_one({b: predicted_speedup(r, "paper") for b, r in runs.items()}) == "1"
+
+
 def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     """conf/experiment/batch_sweep.yaml narrowed (one override per axis, as a GPU user widens it) to pld at its paper
     tree, B = 1 and 2, two MT-Bench questions: a speedup (τ) cell per B, the B where it drops below 1.0x, the
@@ -237,12 +252,13 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     md = (exp / "batch.tiny.md").read_text()
     assert exp / "batch.tiny.md" in written and (exp / "batch.tiny.png").is_file()
     rows = {tuple(line.split(" | ")[:3]): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
-    assert rows[("| method", "dataset", "tree")][3:] == ["B=1", "B=2", "< 1.0x from B on |"]
+    assert rows[("| method", "dataset", "tree")][3:] == ["B=1", "B=2", "< 1.0x from B on", "predicted |"]
     pld = rows[("| pld", "mtbench", "paper")]
     # "speedup (τ)", and " ≠k/n" where k turns differ from the baseline at that B (near-ties of batched rounding)
     assert all(re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d\)( ≠\d+/\d+)?", c) for c in pld[3:5]), pld
     spu = [float(c.split("x")[0]) for c in pld[3:5]]
-    assert pld[5] == ("> 2 |" if spu[1] >= 1 else "1 |" if spu[0] < 1 else "2 |")
+    assert pld[5] == ("> 2" if spu[1] >= 1 else "1" if spu[0] < 1 else "2")
+    assert pld[6] == f"{MISSING} |"  # no tree=auto run at any B: no prediction to read
     base = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in md.splitlines()
             if line.startswith("| mtbench")}
     assert base["mtbench: turns ≠ batch 1"] == ["0 / 4", "0 / 4 |"]
