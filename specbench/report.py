@@ -699,8 +699,18 @@ def _differ(one: dict | None, other: dict | None) -> str:
     return f"{sum(one[k] != other[k] for k in common)} / {len(common)}"
 
 
+def curve_label(name: str, speedups: dict[int, float]) -> tuple[str, int | None]:
+    """A batch curve's legend entry, naming the B from which it stays below 1.0x (`below_one`), and that B (None when
+    the curve is not below 1.0x at its largest B)."""
+    drop = below_one(speedups)
+    if drop.startswith(">"):
+        return f"{name}: >= 1.0x at B = {max(speedups)}", None
+    return f"{name}: < 1.0x from B = {drop}", int(drop)
+
+
 def figure_batch(cells: dict, sizes: list[int], dataset: str | None, path: Path) -> None:
-    """Speedup against batch size per drafter (solid: paper tree, dashed: tree=auto), the 1.0x line."""
+    """Speedup against batch size per drafter (solid: paper tree, dashed: tree=auto), the 1.0x line; each line's label
+    names the B from which it stays below 1.0x (`below_one`, the table's column), ringed on the curve."""
     fig, ax = plt.subplots(figsize=(7.5, 4))
     drafters = sorted({k[0] for k in cells if k[0] != "none" and k[1] == dataset})
     # 15 distinct hues: tab20's ten dark tones, then tab20b's five darkest. Not the 10-colour cycle (13+ drafters would
@@ -711,7 +721,10 @@ def figure_batch(cells: dict, sizes: list[int], dataset: str | None, path: Path)
             pts = [(b, value(cells.get((d, dataset, variant, b, 0.0)), "spu")) for b in sizes]
             pts = [(b, v) for b, v in pts if v is not None]
             if pts:
-                ax.plot(*zip(*pts), style, marker="o", ms=3, color=tones[i % len(tones)], label=f"{d} ({variant})")
+                label, drop = curve_label(f"{d} ({variant})", dict(pts))
+                ax.plot(*zip(*pts), style, marker="o", ms=3, color=tones[i % len(tones)], label=label)
+                if drop is not None:
+                    ax.plot(drop, dict(pts)[drop], "o", ms=7, mfc="none", color=tones[i % len(tones)])
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size B"), ax.set_ylabel(f"speedup vs the baseline at B ({dataset})")

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from specbench.records import read_jsonl
-from specbench.report import (MISSING, Setting, Table, below_one, experiment_report, load_failures, load_runs,
-                              predicted_speedup, render, report, tree_of)
+from specbench.report import (MISSING, Setting, Table, below_one, curve_label, experiment_report, load_failures,
+                              load_runs, predicted_speedup, render, report, tree_of)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -209,6 +209,13 @@ def test_below_one_reads_the_speedup_as_printed():
     assert below_one({1: 0.996, 2: 1.2}) == "> 2"
     assert below_one({1: 1.1, 2: 0.994}) == "2"
     assert below_one({1: None, 2: None}) == MISSING
+
+
+def test_the_figures_legend_names_where_each_curve_stops_paying():
+    """Issue 29 asks the figure, not only the table, to name the B at which each drafter drops below 1.0x."""
+    assert curve_label("eagle2 (auto)", {1: 0.89, 2: 1.15, 4: 0.93, 8: 0.64}) == ("eagle2 (auto): < 1.0x from B = 4", 4)
+    assert curve_label("pld (auto)", {1: 1.07, 2: 1.22}) == ("pld (auto): >= 1.0x at B = 2", None)
+    assert curve_label("moa (paper)", {1: 0.29, 2: 0.25}) == ("moa (paper): < 1.0x from B = 1", 1)
 
 
 def test_below_one_is_where_it_stops_paying():
