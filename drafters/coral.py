@@ -199,7 +199,7 @@ class CoralRouterDrafter(CoralDrafter):
                 feats += [next_step_input(feat0, p) for p in harmonized_steps(head, emb, feat0, pad, steps - 1)]
             p = teacher_probs(target, batch.hidden[:, 1:-1][mask_tok])  # [M, V]
             mass = head.router.group_mass(p)  # [M, N]
-        e, f, pos, mask = harmonized_inputs(emb, feats, pad)
+        e, f, pos, mask, _ = harmonized_inputs(emb, feats, pad)
         _, logits = module(e, f, position_ids=pos, attention_mask=mask, route=True)  # [B, n*T, N]
         n = emb.shape[1]
         loss, parts = 0.0, {}

@@ -63,12 +63,13 @@ class EagleHead(nn.Module):
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, cache: DynamicCache | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                route: bool = False):
+                route: bool = False, **attention):
         """emb, feat [B, Q, H] -> predicted next features [B, Q, H]; with route=True also the router's group logits
-        [B, Q, N]."""
+        [B, Q, N]. `attention`: keywords for the layer's attention function (HASS's training form, drafters/hass.py)."""
         x = self.fc(torch.cat([emb, feat], dim=-1))
         # (on model.compile's static cache, the compiled body: specbench/compiled.py)
-        out = decode(self.body, cache, inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask)
+        out = decode(self.body, cache, inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
+                     **attention)
         return (out, self.router(out)) if route else out
 
 

@@ -55,7 +55,7 @@ from specbench.drafter import LAYERS, TrainableDrafter
 from specbench.errors import SpecbenchError
 from specbench.tree import visible
 from specbench.types import DraftTree, TargetState, VerifyResult
-from specbench.vocab import frequent_ids
+from specbench.vocab import covering_size, frequent_ids
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -198,7 +198,9 @@ class Eagle3Head(nn.Module):
 
 @dataclass
 class Eagle3Options:
-    draft_vocab: int = 32000  # N, the authors' draft_vocab_size (capped at the target's vocabulary)
+    draft_vocab: int | None = None  # N (capped at the target's vocabulary); None: sized by draft_vocab_coverage
+    draft_vocab_coverage: float = 0.995  # N = the fewest ids covering this share of the training answers' tokens,
+    draft_vocab_multiple: int = 1024  # rounded up to a multiple of this (the authors fix N = 32000 for Llama-3)
     layers: list[int] | None = None  # hidden_states indices fused by fc; None: the authors' (2, L//2, L-3)
     intermediate_size: int | None = None  # the head's MLP; None: the target's (the authors' configs: the target's)
     rms_norm_eps: float | None = None  # None: the target's
@@ -207,7 +209,7 @@ class Eagle3Options:
     step_weight: float = 0.8  # step i's loss weight step_weight ** i (the authors' main.py)
 
 
-TRAINING_ONLY = ("steps", "step_weight")  # options decoding ignores (they do not name a run)
+TRAINING_ONLY = ("steps", "step_weight", "draft_vocab_coverage", "draft_vocab_multiple")  # options decoding ignores
 
 
 def head_config(target, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float):
@@ -254,12 +256,25 @@ def load_authors_eagle3(path: Path, target) -> Eagle3Head:
         raise SpecbenchError(f"checkpoint {path} is an EAGLE-3 head for a vocabulary of {cfg['vocab_size']}; the "
                              f"target {target.name!r} has {target.vocab_size}")
     n = int(cfg.get("draft_vocab_size") or target.vocab_size)
-    fc_in = 3 * int(cfg.get("target_hidden_size") or base.hidden_size)
+    # the head's fc reads three of the target's hidden states: a head for another width would be read as garbage
+    width = int(cfg.get("target_hidden_size") or base.hidden_size)
+    if width != base.hidden_size:
+        raise SpecbenchError(f"checkpoint {path} is an EAGLE-3 head over target states of width {width} "
+                             f"(target_hidden_size); the target {target.name!r} has {base.hidden_size}")
+    fc_in = 3 * width
     # SGLang's eagle_config names the output of layer i (it captures the input of layer i + 1); a top-level list, as
     # vLLM reads it, names the input of layer i: our hidden_states index
     sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     layers = [i + 1 for i in sglang] if sglang else cfg.get("eagle_aux_hidden_state_layer_ids")
     layers = tuple(layers) if layers else default_layers(base.num_hidden_layers)
+    if any(not 0 <= i < base.num_hidden_layers for i in layers):
+        raise SpecbenchError(f"checkpoint {path}: EAGLE-3 layer ids {list(layers)} (as hidden_states indices) are "
+                             f"outside the target {target.name!r}'s 0 .. {base.num_hidden_layers - 1}")
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in (cfg.get("rope_parameters") or {}).items()
+                                          if k == "rope_type" and v != "default"}
+    if scaling:  # the head's one layer uses plain RoPE: a scaled head would draft at the wrong rotations
+        raise SpecbenchError(f"checkpoint {path}: the head's RoPE is scaled ({scaling}); this loader builds plain "
+                             "RoPE and would drop it")
     theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
     heads = cfg["num_attention_heads"]
     head_cfg = head_config(target, h, heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"],
@@ -291,7 +306,10 @@ def save_for_serving(head: Eagle3Head, target, out: Path, fmt: str, verifier: st
     bool):
     - sglang: the authors' own layout (fc, midlayer.*, norm, lm_head, d2t, t2d) under architecture
       LlamaForCausalLMEagle3, what SGLang / SpecForge load and vLLM's native EAGLE-3 loader reads too. Layers other
-      than the default go into eagle_config in SGLang's convention (the output of layer i: our index - 1).
+      than the default are written twice, once per reader: eagle_config's list in SGLang's convention (the output of
+      layer i: our index - 1), which is all SGLang reads, and a top-level eagle_aux_hidden_state_layer_ids in vLLM's
+      (the input of layer i: our index), which vLLM's model runner reads first (it ignores eagle_config's, falling
+      back to its default layers).
     - speculators: vLLM's speculators format (architecture Eagle3Speculator, `layers.0.*`, a transformer_layer_config,
       eagle_aux_hidden_state_layer_ids as vLLM reads them: the input of layer i, our index; norm_before_residual false,
       which is EAGLE-3's residual on the un-normed h, where vLLM's own default is true)."""
@@ -322,6 +340,7 @@ def save_for_serving(head: Eagle3Head, target, out: Path, fmt: str, verifier: st
         if not default:
             cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in head.layers],
                                    "use_aux_hidden_state": True}
+            cfg["eagle_aux_hidden_state_layer_ids"] = list(head.layers)
     else:
         cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                "transformer_layer_config": {**llama, "architectures": ["LlamaForCausalLM"]},
@@ -380,12 +399,20 @@ class Eagle3Drafter(TrainableDrafter):
         if any(not 0 <= i < base.num_hidden_layers for i in layers):
             raise SpecbenchError(f"eagle3 layers {list(layers)}: hidden_states indices must be in 0 .. "
                                  f"{base.num_hidden_layers - 1} (the inputs of the target's layers)")
-        n = min(opts.draft_vocab, target.vocab_size)
+        n = min(opts.draft_vocab or target.vocab_size, target.vocab_size)  # unsized (no data): every id
         return Eagle3Head(target, cfg, layers, n, len(layers) * base.hidden_size).to(target.device)
 
     @classmethod
     def feature_layers(cls, module) -> tuple[int, ...]:
         return module.layers
+
+    @classmethod
+    def fit_options(cls, opts: Eagle3Options, counts: torch.Tensor) -> dict:
+        """N by the YAML's rule (the fewest ids covering draft_vocab_coverage of the answer tokens, rounded up to
+        draft_vocab_multiple) where draft_vocab is not given."""
+        if opts.draft_vocab is not None:
+            return {}
+        return {"draft_vocab": covering_size(counts, opts.draft_vocab_coverage, opts.draft_vocab_multiple)}
 
     @classmethod
     def fit_data(cls, module, counts: torch.Tensor, opts) -> None:

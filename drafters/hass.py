@@ -17,8 +17,21 @@ lr 3e-5) and then 10 more with it (`--topk_w 1`, lr 1e-5), a second run that sta
 fresh optimiser and its own warm-up and decay. Here the same inside the one budget: the last `topk_stage` (1/5 = 10 of
 50 epochs) of the steps is a Restart (specbench/drafter.py) with a fresh AdamW and the budget's warm-up and cosine over
 its own steps, peaking at train.lr x `topk_lr_scale` (1/3 = 1e-5 / 3e-5), with the Top-K term on.
-The concatenated-steps forward also recomputes the earlier steps' outputs (unused): the gradient is the authors'
-(the earlier steps' keys/values come from the same detached inputs), at about twice the compute of step j alone.
+The concatenated-steps forward also recomputes the earlier steps' outputs (unused), at about twice the compute of
+step j alone; the earlier steps' keys/values come from the same detached inputs, so step j's gradient is unchanged.
+
+Training attention (`module.train_attention`). The authors' training layer (`model/cnets_hass.py`,
+LlamaAttention.forward) does not add its mask: it *multiplies* the logits by the 0/1 alignment masks, so each of the
+n key positions a query may not see enters the softmax with logit 0 (weight exp(0) in the denominator), and zeroes
+those probabilities afterwards without renormalising (`softmax(w * mask) * mask`); the pads and the future count
+among them. Their drafting (`model/cnets.py`) adds the usual -inf mask. `authors` (the default: their published
+heads and numbers were trained so) reproduces the training form: a query seeing v of the n positions of its step
+gets softmax over its v logits and n - v zero logits, the latter with no value (`authors_attention`, registered as
+an HF attention function; tests/test_hass.py checks it against a literal port of their loop). `additive` trains
+with the same -inf mask as drafting. Drafting is additive either way.
+Feature noise: the authors' `main_hass.py` (as EAGLE's `main.py`) draws (rand - 0.5) * 0.2 * 512 / T on the input
+features, T the sequence's length (uniform of half-width 51.2 / T: 0.1 at T = 512); here, as for EAGLE, the paper's
+U(-0.1, 0.1) (conf/drafter/hass.yaml: optim.noise), the same at T = 512 and independent of the length.
 """
 from __future__ import annotations
 
@@ -27,6 +40,8 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from drafters.distill import soft_ce, teacher_probs
 from drafters.eagle import EagleDrafter, EagleOptions
@@ -34,14 +49,39 @@ from specbench.drafter import Restart
 from specbench.tree import additive, harmonized
 
 
-def harmonized_inputs(emb: torch.Tensor, feats: list[torch.Tensor], pad: torch.Tensor):
+AUTHORS_ATTENTION = "hass_authors"
+TRAIN_ATTENTION = ("authors", "additive")
+
+
+def authors_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      zero_logits: torch.Tensor | None = None, **kwargs):
+    """HASS's training attention (cnets_hass.py): softmax over the visible keys' logits plus `zero_logits` [B, 1, Q]
+    keys of logit 0 and no value (the positions the authors' multiplied mask hides). query [B, nh, Q, d], key/value
+    [B, nkv, K, d], attention_mask [B, 1, Q, K] additive (dtype-min where hidden) -> ([B, Q, nh, d], None). Without
+    `zero_logits` it is SDPA (drafting, and the `additive` form)."""
+    if zero_logits is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    w = (query @ key.transpose(2, 3)) * scaling + attention_mask[..., : key.shape[-2]]
+    null = zero_logits.float().clamp(min=1e-30).log()[..., None].expand(*w.shape[:-1], 1)  # log(count) x exp(0)
+    p = torch.cat([w.float(), null], -1).softmax(-1)[..., :-1].to(value.dtype)
+    return (p @ value).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(AUTHORS_ATTENTION, authors_attention)
+
+
+def harmonized_inputs(emb: torch.Tensor, feats: list[torch.Tensor], pad: torch.Tensor, zero_logits: bool = False):
     """The concatenated-steps forward for step j = len(feats): (emb [B, jn, H], feat [B, jn, H], positions [B, jn],
-    additive mask [B, 1, jn, jn])."""
+    additive mask [B, 1, jn, jn], the count of hidden positions per query [B, 1, jn] where `zero_logits` (the
+    authors' training attention: each of the n positions of a step a query does not see is one logit 0) else None)."""
     b, n, _ = emb.shape
     j = len(feats)
     pos = torch.arange(n, device=emb.device).repeat(j)[None].expand(b, -1)
     allowed = harmonized(n, j, emb.device)[None] & (pad.repeat(1, j) != 0)[:, None, :]  # [B, jn, jn]
-    return emb.repeat(1, j, 1), torch.cat(feats, dim=1), pos, additive(allowed[:, None], emb.dtype)
+    hidden = (n - allowed.sum(-1))[:, None].to(emb.dtype) if zero_logits else None  # one key per seen position
+    return emb.repeat(1, j, 1), torch.cat(feats, dim=1), pos, additive(allowed[:, None], emb.dtype), hidden
 
 
 def next_step_input(feat0: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
@@ -50,15 +90,22 @@ def next_step_input(feat0: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
 
 
 def harmonized_steps(module, emb: torch.Tensor, feat0: torch.Tensor, pad: torch.Tensor, steps: int,
-                     detach: bool = True) -> Iterator[torch.Tensor]:
+                     detach: bool = True, attention: str = "additive") -> Iterator[torch.Tensor]:
     """emb = e(t_{i+1}) [B, n, H], feat0 = f_i [B, n, H], pad [B, n] (1 = real) -> F^j_{i+1} [B, n, H] for j = 1..steps,
     one at a time: each step's forward is built when the caller asks for it (after it backpropagated the previous one).
-    Step j+1 reads step j's prediction detached (the authors' `q_hidden_states.detach()`)."""
+    Step j+1 reads step j's prediction detached (the authors' `q_hidden_states.detach()`). attention: `authors`
+    (their training attention, on a module built with it: `use_authors_attention`) or `additive`."""
+    if attention not in TRAIN_ATTENTION:
+        raise ValueError(f"hass train_attention={attention!r} is not one of {', '.join(TRAIN_ATTENTION)}")
+    authors = attention == "authors"
+    if authors and module.body.config._attn_implementation != AUTHORS_ATTENTION:
+        raise ValueError("train_attention=authors needs a head built with use_authors_attention")
     n = emb.shape[1]
     feats = [feat0]
     for j in range(1, steps + 1):
-        e, f, pos, mask = harmonized_inputs(emb, feats, pad)
-        pred = module(e, f, position_ids=pos, attention_mask=mask)[:, (j - 1) * n :]
+        e, f, pos, mask, hidden = harmonized_inputs(emb, feats, pad, zero_logits=authors)
+        extra = {"zero_logits": hidden} if authors else {}
+        pred = module(e, f, position_ids=pos, attention_mask=mask, **extra)[:, (j - 1) * n :]
         nxt = next_step_input(feat0, pred)
         feats.append(nxt.detach() if detach else nxt)
         yield pred
@@ -72,6 +119,12 @@ class HassOptions(EagleOptions):
     topk_stage: float = 0.2  # the last fraction of the steps: the authors' second stage (10 of 50 epochs)
     topk_lr_scale: float = 1 / 3  # its peak lr relative to the first stage's (the authors' 1e-5 after 3e-5)
     topk_restart: bool = True  # the second stage starts a fresh optimiser and lr schedule (train.sh: a second run)
+    train_attention: str = "authors"  # authors: cnets_hass.py's multiplied mask (hidden keys at logit 0); additive
+
+
+def use_authors_attention(head) -> None:
+    """Route the head's layer through `authors_attention` (SDPA unless a forward passes zero_logits)."""
+    head.body.set_attn_implementation(AUTHORS_ATTENTION)
 
 
 class HassDrafter(EagleDrafter):
@@ -103,6 +156,16 @@ class HassDrafter(EagleDrafter):
         return loss, parts
 
     @classmethod
+    def build_module(cls, target, opts: HassOptions):
+        attention = getattr(opts, "train_attention", "additive")  # (CORAL's options have none: additive)
+        if attention not in TRAIN_ATTENTION:
+            raise ValueError(f"hass train_attention={attention!r} is not one of {', '.join(TRAIN_ATTENTION)}")
+        head = super().build_module(target, opts)
+        if attention == "authors":
+            use_authors_attention(head)
+        return head
+
+    @classmethod
     def decoding_options(cls, options: dict) -> dict:
         """Decoding is EAGLE's: the training-only options (steps, Top-K, schedule) are dropped, so checkpoints made
         under earlier option names load too."""
@@ -129,7 +192,8 @@ class HassDrafter(EagleDrafter):
         del epoch
         emb, mask_tok, true, p = cls.step_targets(batch, target)
         w_topk = opts.topk_weight if cls.topk_on(opts, progress) else 0.0
-        steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps)
+        steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps,
+                                 attention=opts.train_attention)
         for j, pred_all in enumerate(steps, 1):
             loss, parts = cls.step_loss(pred_all[:, :-1][mask_tok], true, p, target, opts.topk, w_topk)
             yield loss, {f"{k}{j}": v for k, v in parts.items()}

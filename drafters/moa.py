@@ -28,7 +28,8 @@ Training (the authors' moa_spec.py forward and trainer):
     fraction of the budget's steps: our 2 epochs would make it a step);
   - loss (Table 6, Eq. 2): 0.1 x CE to the target's next-token law (the authors' "forward_KL", -sum p log q) +
     SmoothL1 of the final feature (the LM head's input) to the target's last hidden state; with TLI > 0 the feature
-    term is 0.5 x that + 0.5 x SmoothL1 of o^ to the input of the first TLI layer; over every answer position;
+    term is 0.5 x that + 0.5 x SmoothL1 of o^ to the input of the first TLI layer; over every answer position (the
+    pre-TLI term is 0 at block starts, which count in its mean: theirs overwrites the prediction there in place);
   - gradients clipped to norm 1.0, AdamW without weight decay (their trainer.yaml; conf/drafter/moa.yaml);
   - init as theirs: Linear weights and RMSNorm weights ~ N(0, initializer_range), biases 0 (HF's `_init_weights` of
     their class, which they extended to the RMSNorms).
@@ -40,10 +41,14 @@ Where we differ, and why:
     K/V of every layer, so the on-policy mask costs nothing here.
   - lr schedule: the budget's (warm-up, cosine) as every method's; theirs warms up to 20 x lr and decays to lr over
     one epoch, then stays there.
-  - widths for SmolLM2 (E 576, E_kv 192, 9 heads of 64, 3 KV heads): Table 6's ratios to Llama-3-8B (conf/drafter/
-    moa.yaml). Their rule for the LSA (the target's 9 query heads at width 2 E_kv = 384) gives a head size of 42.7;
-    we take heads of 64, the head size of their own Llama-3-8B instance (2048 / 32): 6, with 3 KV heads (Table 6's
-    1024 / 2048 of the width).
+  - widths: their code's ratios to Llama-3-8B (WIDTHS["code"], the default; Table 6's differ in five of six and
+    are `widths: table6`), scaled to the target with K/V heads rounded to a divisor of the query heads. Their rule
+    for the LSA (the target's 9 query heads at width 2 E_kv = 384) gives a head size of 42.7 on SmolLM2; we take
+    heads of 64, the head size of their own Llama-3-8B instance (2048 / 32): 6.
+  - TLI while drafting (tli_context): the paper's Algorithm 1 (the TLI layers attend to the target's cached K/V of
+    verified tokens and the drafted path's) by default; their inference code runs the TLI layers without any cache
+    (`use_cache=False`: a drafted row sees only itself and its level's siblings, which its tree mask hides), which
+    `tli_context: none` reproduces. Training is the paper's either way (see the first item).
 """
 from __future__ import annotations
 
@@ -138,22 +143,60 @@ class CrossAttention(nn.Module):
         return y + self.mlp(self.post_attention_layernorm(y))
 
 
+# The widths as ratios to the target, two sets (drafter.module.widths). Query heads are always the target's (SA, CA)
+# and 2 E_kv / lsa_head_dim (LSA); K/V heads are a fraction of the layer's query heads (rounded to the nearest
+# divisor, ties up, at least 1) or the target's own K/V heads ("target"); MLPs a multiple of the layer's width.
+#   code:   the authors' configs/training/method/moa_spec.yaml (and their inference yaml), on Llama-3-8B
+#           (E 4096, 32 heads, E_kv 1024): SA K/V 4 of 32 heads, MLP 6144; CA K/V 4 of 32, MLP 6144; LSA (2048 wide,
+#           32 heads of 64) K/V 8 of 32, MLP 3072. What their README's training command trains.
+#   table6: papers/002 Table 6: SA K/V 512 (1/8 of E), MLP 512 (E/8); CA K/V 1024 (Llama-3-8B's own 8 K/V heads),
+#           MLP 7168 (1.75 E); LSA K/V 1024 of 2048 (half), MLP 6144 (3x).
+WIDTHS = {
+    "code": {"sa_kv": 1 / 8, "sa_mlp": 1.5, "ca_kv": 1 / 8, "ca_mlp": 1.5, "lsa_kv": 1 / 4, "lsa_mlp": 1.5},
+    "table6": {"sa_kv": 1 / 8, "sa_mlp": 1 / 8, "ca_kv": "target", "ca_mlp": 1.75, "lsa_kv": 1 / 2, "lsa_mlp": 3.0},
+}
+TLI_CONTEXT = ("target", "none")
+
+
+def kv_heads(heads: int, fraction: float) -> int:
+    """The divisor of `heads` nearest heads x fraction (ties: the larger), at least 1."""
+    want = heads * fraction
+    return min((d for d in range(1, heads + 1) if heads % d == 0), key=lambda d: (abs(d - want), -d))
+
+
 @dataclass
 class MoAOptions:
     tli: int = 0  # target layers run after the drafter (0: the drafter predicts the last hidden state)
+    widths: str = "code"  # the width set the unset widths below come from (WIDTHS): code | table6
     lsa_head_dim: int | None = None  # LSA head size (None: 2 E_kv / the target's query heads, the authors' rule)
-    lsa_kv_heads: int | None = None  # None: half the LSA's query heads when even (Table 6: 1024 of 2048), else all
-    lsa_mlp: int = 1152
-    sa_kv_heads: int = 1
-    sa_mlp: int = 72
-    ca_kv_heads: int | None = None  # None: the target's
-    ca_mlp: int = 1008
+    lsa_kv_heads: int | None = None  # None: from `widths`
+    lsa_mlp: int | None = None
+    sa_kv_heads: int | None = None
+    sa_mlp: int | None = None
+    ca_kv_heads: int | None = None
+    ca_mlp: int | None = None
+    # drafting: what the TLI layers attend to besides the drafted row itself. target: the target's cached K/V of
+    # verified tokens and the drafted path's (papers/002 Sec. 3.2, Algorithm 1); none: nothing (the authors'
+    # inference code runs them without a cache, use_cache=False, on one level's sibling rows)
+    tli_context: str = "target"
     # training (the authors' moa_spec.py): block lengths ~ randint(block_min, block_max + 1) per sequence
     block_min: int = 6
     block_max: int = 14
     staircase: bool = True  # the SA curriculum (their `staircase_mask: True`)
     staircase_until: float = 0.5  # the fraction of the budget by which it has faded out (their max_epochs / 2)
     tli_final_weight: float = 0.5  # TLI > 0: this x the final-feature loss + (1 - this) x the pre-TLI one
+
+
+def resolve_widths(opts: MoAOptions, e: int, nh: int, nkv: int, lsa_width: int, lsa_heads: int) -> dict[str, int]:
+    """Every K/V head count and MLP width: the option where set, else the `widths` set's ratio for this target."""
+    if opts.widths not in WIDTHS:
+        raise ValueError(f"moa widths={opts.widths!r} is not one of {', '.join(WIDTHS)}")
+    r = WIDTHS[opts.widths]
+    derived = {"sa_kv_heads": kv_heads(nh, r["sa_kv"]), "sa_mlp": round(r["sa_mlp"] * e),
+               "ca_kv_heads": nkv if r["ca_kv"] == "target" else kv_heads(nh, r["ca_kv"]),
+               "ca_mlp": round(r["ca_mlp"] * e),
+               "lsa_kv_heads": kv_heads(lsa_heads, r["lsa_kv"]), "lsa_mlp": round(r["lsa_mlp"] * lsa_width)}
+    return {k: getattr(opts, k) if getattr(opts, k) is not None else v for k, v in derived.items()}
 
 
 class MoAModule(nn.Module):
@@ -164,22 +207,22 @@ class MoAModule(nn.Module):
         cfg = target.model.config
         e, nh, nkv, dh = _dims(cfg)
         self.tli, self.layers, self.kv_dim = opts.tli, cfg.num_hidden_layers, 2 * nkv * dh
-        layer = type(target.decoder.layers[0])
-        sa_cfg = _sub_config(target, False, num_key_value_heads=opts.sa_kv_heads, intermediate_size=opts.sa_mlp)
-        self.self_attention = layer(sa_cfg, 0)
-        self.sa_rotary = type(target.decoder.rotary_emb)(config=sa_cfg)
-        ca_cfg = _sub_config(target, True, num_key_value_heads=opts.ca_kv_heads or nkv, intermediate_size=opts.ca_mlp,
-                             attention_bias=False, mlp_bias=False)
-        self.cross_attention = CrossAttention(target, ca_cfg)
         head_dim = opts.lsa_head_dim or self.kv_dim // nh
         heads = max(1, self.kv_dim // head_dim)  # (one head of the whole width where it is narrower than a head)
         if self.kv_dim % heads:
             raise ValueError(f"the LSA width 2 E_kv = {self.kv_dim} does not split into heads of "
                              f"lsa_head_dim={head_dim}: set drafter.module.lsa_head_dim")
-        kv_heads = opts.lsa_kv_heads or (heads // 2 if heads % 2 == 0 else heads)
+        w = resolve_widths(opts, e, nh, nkv, self.kv_dim, heads)
+        layer = type(target.decoder.layers[0])
+        sa_cfg = _sub_config(target, False, num_key_value_heads=w["sa_kv_heads"], intermediate_size=w["sa_mlp"])
+        self.self_attention = layer(sa_cfg, 0)
+        self.sa_rotary = type(target.decoder.rotary_emb)(config=sa_cfg)
+        ca_cfg = _sub_config(target, True, num_key_value_heads=w["ca_kv_heads"], intermediate_size=w["ca_mlp"],
+                             attention_bias=False, mlp_bias=False)
+        self.cross_attention = CrossAttention(target, ca_cfg)
         lsa_cfg = _sub_config(target, True, hidden_size=self.kv_dim, num_attention_heads=heads,
-                              head_dim=self.kv_dim // heads, num_key_value_heads=kv_heads,
-                              intermediate_size=opts.lsa_mlp)
+                              head_dim=self.kv_dim // heads, num_key_value_heads=w["lsa_kv_heads"],
+                              intermediate_size=w["lsa_mlp"])
         self.layer_self_attention = layer(lsa_cfg, 0)
         self.lsa_rotary = type(target.decoder.rotary_emb)(config=lsa_cfg)
         self.Ekv2E = nn.Linear(self.kv_dim, e)
@@ -243,6 +286,10 @@ class MoADrafter(TrainableDrafter):
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.final_norm, self.rotary = target.decoder.norm, target.decoder.rotary_emb
         self.tli_layers = list(target.decoder.layers[len(target.decoder.layers) - self.net.tli :])  # frozen, shared
+        # read from the run's options (a checkpoint records its training's; this one is the run's to choose)
+        self.tli_context = (module or {}).get("tli_context", "target")
+        if self.tli_context not in TLI_CONTEXT:
+            raise SpecbenchError(f"moa tli_context={self.tli_context!r} is not one of {', '.join(TLI_CONTEXT)}")
         self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
         self.reset()
 
@@ -260,7 +307,8 @@ class MoADrafter(TrainableDrafter):
             raise ValueError(f"tli={opts.tli} must be in [0, {target.model.config.num_hidden_layers})")
         return MoAModule(target, opts).to(target.device)
 
-    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight")
+    # options the module's shape ignores: training's, and drafting's tli_context (the drafter reads the run's own)
+    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight", "tli_context")
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:
@@ -335,7 +383,10 @@ class MoADrafter(TrainableDrafter):
         parts = {"ce": ce.item(), "feat": feat.item(), "top1": top1(logq, p)}
         if module.tli:
             pre = batch.pre[:, :, module.tli - 1][rows]
-            prev = F.smooth_l1_loss(out, pre.to(out.dtype), reduction="none").mean(-1).mean()
+            # zero at block starts, which still count in the mean (the authors overwrite the TLI input there with the
+            # true one in place, so their prediction equals its target: moa_spec.py's prev_feature_loss)
+            inside = (starts != torch.arange(starts.shape[1], device=dev))[rows]
+            prev = (F.smooth_l1_loss(out, pre.to(out.dtype), reduction="none").mean(-1) * inside).mean()
             feat = opts.tli_final_weight * feat + (1 - opts.tli_final_weight) * prev
             parts["prev_feat"] = prev.item()
         if stair is not None:
@@ -407,7 +458,13 @@ class MoADrafter(TrainableDrafter):
                         self.sa_cache)
         ca_allowed = visible(torch.zeros(r, 0, dtype=torch.bool, device=self.device), self.acts)  # every activation
         x = self.net.cross_attention(q, p, ca_allowed, (self.ca_kv.keys, self.ca_kv.values))
-        if self.net.tli:
+        if self.net.tli and self.tli_context == "none":  # the authors' inference: no cache; siblings: itself only
+            itself = torch.eye(r, dtype=torch.bool, device=self.device)[None, None]
+            for cached, layer in zip(self.tli_kv, self.tli_layers):
+                kc, vc = cached.keys[:, :, :0], cached.values[:, :, :0]
+                x, _, _ = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, itself)
+            x = self.final_norm(x)
+        elif self.net.tli:
             allowed = visible(tli_seen, self.acts)  # [1, 1, R, acts + S']
             for i, layer in enumerate(self.tli_layers):
                 cached = self.tli_kv[i]

@@ -190,6 +190,14 @@ class TrainableDrafter(Drafter):
         yield cls.training_loss(module, batch, target, opts)
 
     @classmethod
+    def fit_options(cls, opts, counts: "torch.Tensor") -> dict:
+        """Module options a method sizes from the training data before its module is built: counts [V] as for
+        `fit_data`. Returns the options to set (recorded in the checkpoint, so decoding rebuilds the same shapes);
+        EAGLE-3 sizes its draft vocabulary by a coverage rule; nothing by default."""
+        del opts, counts
+        return {}
+
+    @classmethod
     def fit_data(cls, module, counts: "torch.Tensor", opts) -> None:
         """Module state a method derives from the training data before its first step (not on resume: the checkpoint
         carries it): counts [V] = how often each token occurs in the training answers (the loss positions). EAGLE-3

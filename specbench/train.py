@@ -430,6 +430,12 @@ class Trainer:
         self.online_kv = needs_kv and not stored_kv
         train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=stored_kv, rank=self.rank,
                                               world=self.world)
+        counts = token_counts(train_set, self.target.vocab_size)  # answer tokens (EAGLE-3's vocabulary)
+        sized = self.cls.fit_options(self.opts, counts)  # deterministic in the data: the same on resume
+        if sized:
+            log.info("%s: %s from the training answers", self.cls.name, sized)
+            self.module_options = {**self.module_options, **sized}
+            self.opts = self.cls.options(self.module_options)
         # fp32 masters whatever the target's dtype: a module built from a bf16 target's layers (sd copies them) would
         # take AdamW updates below half a bf16 ulp, lost (bf16 autocast, train.precision, computes in bf16 anyway)
         module = self.cls.build_module(self.target, self.opts).to(dev)
@@ -444,7 +450,7 @@ class Trainer:
         first_epoch, step, resumed = self._resume(module, opt)
         self.layers = tuple(self.cls.feature_layers(module)) if LAYERS in getattr(self.cls, "needs", ()) else ()
         if step == 0:  # a fresh start (a resumed module has it from its checkpoint): EAGLE-3's draft vocabulary
-            self.cls.fit_data(module, token_counts(train_set, self.target.vocab_size), self.opts)
+            self.cls.fit_data(module, counts, self.opts)
         if dist.is_initialized():  # every rank starts from rank 0's weights (and optimiser state, when resumed)
             broadcast_state(module, opt)
         items = FeatureItems(train_set, kv=stored_kv)

@@ -45,6 +45,19 @@ def frequent_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
     return torch.argsort(-counts, stable=True)[:n]
 
 
+def covering_size(counts: torch.Tensor, coverage: float, multiple: int = 1) -> int:
+    """The smallest N whose N most frequent ids cover `coverage` of the counted tokens, rounded up to a multiple of
+    `multiple` and capped at the vocabulary (EAGLE-3's draft vocabulary sized to the data). counts [V]."""
+    if not 0.0 < coverage <= 1.0 or multiple < 1:
+        raise ValueError(f"coverage={coverage} must be in (0, 1] and multiple={multiple} >= 1")
+    total = float(counts.sum())
+    if total <= 0:
+        raise ValueError("no counted tokens to size a vocabulary from")
+    share = counts.double().sort(descending=True).values.cumsum(0) / total
+    n = int(torch.searchsorted(share, torch.tensor([coverage - 1e-12], dtype=share.dtype))[0]) + 1
+    return min(counts.shape[0], multiple * -(-n // multiple))
+
+
 class PrunedLMHead:
     """The target's frozen LM head restricted to a draft vocabulary of N ids (a copy of their N rows): scores only
     those, and scatters them back into the target's vocabulary with -inf elsewhere, so the tree holds target ids and

@@ -155,6 +155,11 @@ def test_a_head_in_the_authors_layout_loads_and_decodes_losslessly(tmp_path):
     (lambda s, c: s.update({"lm_head.weight": torch.zeros(3, 32)}), "lm_head.weight is \\(3, 32\\)"),
     (lambda s, c: s["t2d"].__setitem__(1, True), "t2d does not mark"),
     (lambda s, c: s.pop("d2t"), "needs d2t"),
+    (lambda s, c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "RoPE is scaled"),
+    (lambda s, c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "RoPE is scaled"),
+    (lambda s, c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 6]), "layer ids \\[1, 3, 6\\]"),
+    (lambda s, c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [-2, 2, 4]}), "outside the target"),
+    (lambda s, c: c.update(target_hidden_size=64), "target states of width 64"),
 ])
 def test_a_misfit_authors_head_is_one_line(tmp_path, edit, message):
     target = tiny_target(seed=0)
@@ -234,7 +239,10 @@ def test_a_head_on_other_layers_exported_for_sglang_reads_back_on_the_same_layer
     d = Eagle3Drafter(target, module={"layers": [1, 3, 5]}, tree=tree)
     _jitter(d.head)
     out = d.save_for_serving(tmp_path / "sgl", "sglang", "org/tiny")
-    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    # vLLM's model runner reads a top-level list first (the input of layer i: our index) and ignores eagle_config's
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
     again = Eagle3Drafter(target, checkpoint=str(out), tree=tree)
     assert again.hidden_layers == (1, 3, 5)
     prompt = [5, 17, 33, 17, 33, 9, 2]
@@ -245,3 +253,19 @@ def test_an_unknown_serving_format_is_one_line(tmp_path):
     d = Eagle3Drafter(tiny_target(seed=0))
     with pytest.raises(SpecbenchError, match="export.format='vllm' is not one of sglang, speculators"):
         d.save_for_serving(tmp_path, "vllm", "org/tiny")
+
+
+def test_the_draft_vocabulary_is_sized_by_the_coverage_rule():
+    from specbench.vocab import covering_size
+
+    counts = torch.zeros(100)
+    counts[:10] = torch.tensor([50.0, 20, 10, 8, 5, 3, 2, 1, 0.5, 0.5])  # 100 tokens over 10 ids
+    assert covering_size(counts, 0.5) == 1 and covering_size(counts, 0.8) == 3 and covering_size(counts, 0.99) == 8
+    assert covering_size(counts, 0.99, multiple=16) == 16 and covering_size(counts, 1.0, multiple=64) == 64
+    assert covering_size(counts, 1.0, multiple=1024) == 100  # capped at the vocabulary
+    with pytest.raises(ValueError):
+        covering_size(counts, 0.0)
+    # the drafter sizes N only where the YAML leaves it open, and records it (decoding rebuilds the same shape)
+    assert Eagle3Drafter.fit_options(Eagle3Options(draft_vocab_coverage=0.99, draft_vocab_multiple=4), counts) == \
+        {"draft_vocab": 8}
+    assert Eagle3Drafter.fit_options(Eagle3Options(draft_vocab=40), counts) == {}

@@ -109,3 +109,71 @@ def test_the_top_k_stage_is_the_authors_second_run():
     # CORAL is HASS's trainer without the Top-K stage
     from drafters.coral import CoralDrafter
     assert CoralDrafter.restarts(CoralDrafter.options()) == ()
+
+
+def _authors_loop(q, ks, vs, scale):
+    """A literal port of cnets_hass.py's training attention for the query of step j = len(ks): sources s = 0 (the
+    target features) .. j-1 (earlier steps' predictions), each masked by its alignment mask, logits multiplied by the
+    masks, one softmax over the n positions, probabilities multiplied by the masks again."""
+    j, n = len(ks), q.shape[-2]
+    masks = []
+    for idx in range(j):
+        small = torch.tril(torch.ones(n - j + idx + 1, n - j + idx + 1)) if not idx else torch.eye(n - j + idx + 1)
+        big = torch.zeros(n, n)
+        big[j - idx - 1 :, : n - j + idx + 1] = small
+        masks.append(big)
+    masks = torch.stack(masks)[:, None, None]  # [j, 1, 1, n, n]
+    w = torch.stack([q @ k.transpose(-1, -2) * scale for k in ks])  # [j, B, nh, n, n]
+    total = (w * masks).sum(0).softmax(-1)
+    return ((total[None] * masks) @ torch.stack(vs)).sum(0)  # [B, nh, n, d]
+
+
+@pytest.mark.parametrize("j", [1, 2, 3])
+def test_the_authors_training_attention_is_their_multiplied_mask(j):
+    from types import SimpleNamespace
+
+    from drafters.hass import authors_attention, harmonized_inputs
+    from specbench.tree import additive
+
+    torch.manual_seed(j)
+    b, nh, n, d = 2, 2, 7, 4
+    q = torch.randn(b, nh, n, d)
+    ks, vs = [torch.randn(b, nh, n, d) for _ in range(j)], [torch.randn(b, nh, n, d) for _ in range(j)]
+    want = _authors_loop(q, ks, vs, d ** -0.5)
+    allowed = harmonized(n, j, "cpu")[(j - 1) * n :]  # the step-j queries over the concatenated steps
+    mask = additive(allowed[None, None].expand(b, 1, -1, -1), torch.float32)
+    hidden = (n - allowed.sum(-1)).float()[None, None].expand(b, 1, -1)
+    got, _ = authors_attention(SimpleNamespace(num_key_value_groups=1), q, torch.cat(ks, 2), torch.cat(vs, 2), mask,
+                               scaling=d ** -0.5, zero_logits=hidden)
+    torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+    # the same counts as the training forward computes them (padding included: a pad is one more hidden position)
+    emb = torch.zeros(b, n, 3)
+    pad = torch.ones(b, n, dtype=torch.long)
+    pad[1, -2:] = 0
+    *_, counts = harmonized_inputs(emb, [emb] * j, pad, zero_logits=True)
+    assert torch.equal(counts[0, 0, (j - 1) * n :], hidden[0, 0])
+    assert torch.all(counts[1, 0] >= counts[0, 0]) and torch.any(counts[1, 0] > counts[0, 0])
+
+
+def test_the_authors_training_attention_trains_and_drafting_stays_additive():
+    torch.manual_seed(0)
+    target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
+    authors = HassDrafter.build_module(target, HassDrafter.options(steps=2))  # the default
+    plain = HassDrafter.build_module(target, HassDrafter.options(steps=2, train_attention="additive"))
+    plain.load_state_dict(authors.state_dict())
+    ids = torch.randint(0, 64, (1, 10))
+    hidden = target.prefill(ids, target.new_cache()).hidden
+    emb, pad = target.decoder.embed_tokens(ids[:, 1:]), torch.ones(1, 9, dtype=torch.long)
+    with torch.no_grad():
+        a = list(harmonized_steps(authors, emb, hidden[:, :-1], pad, 2, attention="authors"))
+        p = list(harmonized_steps(plain, emb, hidden[:, :-1], pad, 2, attention="additive"))
+        # the hidden positions' weight changes every query but the last of step 1 (it sees every position)
+        assert not torch.allclose(a[0][:, :-1], p[0][:, :-1]) and torch.allclose(a[0][:, -1], p[0][:, -1], atol=1e-5)
+        # drafting (no zero_logits) is the additive form on either module
+        torch.testing.assert_close(authors(emb, hidden[:, :-1]), plain(emb, hidden[:, :-1]))
+    with pytest.raises(ValueError, match="use_authors_attention"):
+        next(harmonized_steps(plain, emb, hidden[:, :-1], pad, 2, attention="authors"))
+    with pytest.raises(ValueError, match="train_attention='both'"):
+        HassDrafter.build_module(target, HassDrafter.options(train_attention="both"))
+    # decoding drops the training-only option: a checkpoint trained either way decodes with the same module
+    assert "train_attention" not in HassDrafter.decoding_options({"train_attention": "authors", "bias": True})

@@ -112,3 +112,74 @@ def test_lsa_attends_across_every_layer_and_the_tli_loss_has_both_terms():
     loss, parts = MoADrafter.training_loss(net.train(), batch, target, MoADrafter.options(tli=1, **OPTS))
     total = 0.1 * parts["ce"] + 0.5 * parts["feat"] + 0.5 * parts["prev_feat"]
     assert loss.item() == pytest.approx(total, rel=1e-5)
+
+
+@pytest.mark.parametrize(("shape", "widths", "want"), [
+    # Llama-3-8B (E 4096, 32 heads, 8 KV heads of 128; LSA 2048 = 32 heads of 64): the authors' yaml, then Table 6
+    ((4096, 32, 8, 2048, 32), "code", dict(sa_kv_heads=4, sa_mlp=6144, ca_kv_heads=4, ca_mlp=6144, lsa_kv_heads=8,
+                                            lsa_mlp=3072)),
+    ((4096, 32, 8, 2048, 32), "table6", dict(sa_kv_heads=4, sa_mlp=512, ca_kv_heads=8, ca_mlp=7168, lsa_kv_heads=16,
+                                              lsa_mlp=6144)),
+    # SmolLM2 (E 576, 9 heads, 3 KV heads of 64; LSA 384 = 6 heads of 64): conf/drafter/moa.yaml's comment
+    ((576, 9, 3, 384, 6), "code", dict(sa_kv_heads=1, sa_mlp=864, ca_kv_heads=1, ca_mlp=864, lsa_kv_heads=2,
+                                        lsa_mlp=576)),
+    ((576, 9, 3, 384, 6), "table6", dict(sa_kv_heads=1, sa_mlp=72, ca_kv_heads=3, ca_mlp=1008, lsa_kv_heads=3,
+                                          lsa_mlp=1152)),
+])
+def test_the_widths_are_the_authors_code_or_table_6_scaled_to_the_target(shape, widths, want):
+    from drafters.moa import MoAOptions, resolve_widths
+
+    assert resolve_widths(MoAOptions(widths=widths), *shape) == want
+    assert resolve_widths(MoAOptions(widths=widths, sa_mlp=100), *shape)["sa_mlp"] == 100  # a set width wins
+    with pytest.raises(ValueError, match="widths='paper'"):
+        resolve_widths(MoAOptions(widths="paper"), *shape)
+
+
+def test_the_pre_tli_loss_is_zero_at_block_starts():
+    from specbench.train import Batch
+
+    target, net, ids, kv = setup(1)
+    t = ids.shape[1]
+    res = target.decoder(input_ids=ids, use_cache=False, output_hidden_states=True)
+    mask = torch.ones(1, t, dtype=torch.long)
+    batch = Batch(ids, mask, mask, res.last_hidden_state, res.last_hidden_state)
+    batch.kv, batch.pre = kv, torch.stack([res.hidden_states[-2]], 2)
+    opts = dict(tli=1, **OPTS, staircase=False)
+    with torch.no_grad():
+        _, every = MoADrafter.training_loss(net, batch, target, MoADrafter.options(block_min=1, block_max=1, **opts))
+        _, some = MoADrafter.training_loss(net, batch, target, MoADrafter.options(block_min=4, block_max=4, **opts))
+    assert every["prev_feat"] == 0.0 and some["prev_feat"] > 0.0  # blocks of 1: every position starts one
+
+
+def test_tli_drafting_without_the_targets_cache_is_the_authors_and_lossless():
+    from drafters.layers import target_layer
+    from tests.helpers import engine_greedy, hf_greedy
+
+    target, net, ids, kv = setup(1)
+    tree = {"kind": "dynamic", "depth": 3, "topk": 3, "total_tokens": 8}
+    ours = MoADrafter(target, net=net, tree=tree)
+    theirs = MoADrafter(target, net=net, module={"tli_context": "none"}, tree=tree)
+    n = ids.shape[1] - 1
+    prefix = target.new_cache()
+    target.forward(ids[:, :n], prefix, logits_rows=slice(0, 0))
+    state = TargetState(tokens=ids, hidden=None, kv=cache_kv(prefix))
+    seen = []
+    hook = net.cross_attention.register_forward_hook(lambda m, i, out: seen.append(out))
+    with torch.no_grad():
+        logits = {}
+        for name, d in (("ours", ours), ("theirs", theirs)):
+            d.prefill(None)
+            logits[name] = d._root_logits(ids, state)
+        # theirs by hand: the root's o^ through the last target layer over itself alone, the final norm, the LM head
+        o = seen[-1]  # [1, 1, E]
+        empty = torch.zeros(1, target.model.config.num_key_value_heads, 0, target.decoder.layers[-1].self_attn.head_dim)
+        x, _, _ = target_layer(target.decoder.layers[-1], target.decoder.rotary_emb, o, torch.tensor([[n]]), empty,
+                               empty, torch.ones(1, 1, 1, 1, dtype=torch.bool))
+        want = target.lm_head(target.decoder.norm(x))[0, 0]
+    hook.remove()
+    torch.testing.assert_close(logits["theirs"], want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits["ours"], logits["theirs"])  # ours also sees the target's cached K/V
+    prompt = ids[0, :8].tolist()
+    assert engine_greedy(target, theirs, prompt, 24) == hf_greedy(target.model, prompt, 24)
+    with pytest.raises(Exception, match="tli_context='cache'"):
+        MoADrafter(target, net=net, module={"tli_context": "cache"})
