@@ -15,10 +15,10 @@ TRAIN    ?= embedded
 # processes per machine for `make train` (DDP): NPROC=8 runs torchrun --nproc_per_node=8, one GPU per rank
 NPROC    ?= 1
 TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/torchrun --nproc_per_node=$(NPROC) -m specbench.train)
-# the trainable drafters, from their own YAMLs (specbench/trainable.py); expanded when `make train` runs, after setup
+# the trainable drafters, from their own YAMLs (specbench/train/trainable.py); expanded when `make train` runs, after setup
 TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
-.PHONY: setup data rehearse test test-fast bench perf limit perf-drafters peer train trainmem trainspeed figures download
+.PHONY: setup data rehearse test test-fast bench perf limit perf-drafters peer train trainmem trainspeed figures download gpu-check
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -53,11 +53,11 @@ bench: setup data
 
 # Day one on a GPU box, rehearsed here: tiny replicas of every target and published drafter under their real hub ids in
 # a private HF cache (offline), then make download / make bench PRESET=paper / the tables for each model in fp32, bf16
-# and fp16, checked (specbench/rehearse.py). ARGS='--models vicuna-7b --dtypes bfloat16 --limit 1' narrows it.
+# and fp16, checked (specbench/tools/rehearse.py). ARGS='--models vicuna-7b --dtypes bfloat16 --limit 1' narrows it.
 rehearse: setup
 	$(BIN)/python -m specbench.rehearse $(ARGS)
 
-# Every table and figure from results/ alone (specbench/report.py).
+# Every table and figure from results/ alone (specbench/bench/report/).
 figures: setup
 	$(BIN)/python -m specbench.report --results $(RESULTS)
 
@@ -69,7 +69,7 @@ perf: setup
 download: setup
 	$(BIN)/python -m specbench.download model=$(MODEL)
 
-# Our eagle against the authors' own EAGLE (PyPI eagle-llm==1.2.1) on one trained head (specbench/peer.py ->
+# Our eagle against the authors' own EAGLE (PyPI eagle-llm==1.2.1) on one trained head (specbench/tools/peer.py ->
 # results/peer/). The authors' code runs in its own environment, $(PEER_VENV), with the versions it pins.
 $(PEER_VENV)/.stamp: peer/requirements.txt
 	test -x $(PEER_VENV)/bin/python || $(PY) -m venv $(PEER_VENV)
@@ -83,6 +83,12 @@ peer: setup $(PEER_VENV)/.stamp
 # The baseline's ms per token vs the bare-matmul time of the same weights, per target cache (results/limit/).
 limit: setup
 	$(BIN)/python -m specbench.limit model=$(MODEL) $(PERF_ARGS)
+
+# On a lent GPU, everything it can tell in one command (specbench/tools/gpu_check.py -> results/gpu_check/): every
+# drafter lossless eager and compiled, random-weight Llama-2-7B / Llama-3-8B timings, kernel profile. ARGS narrows it.
+# No setup: a lent GPU box has torch and no registry; it runs on $(PY) with the wheels its docstring names installed.
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PY) -m specbench.gpu_check $(ARGS)
 
 # Every drafter's draft ms/step, verify ms/step, tokens/s and host round trips per step (results/perf/).
 perf-drafters: setup

@@ -1,4 +1,4 @@
-"""Drafters: one module per method, all decoding through the shared engine (specbench/engine.py).
+"""Drafters: one module per method, all decoding through the shared engine (specbench/decode/engine.py).
 
 Adding a drafter, in three steps:
 

@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specbench.drafter import HIDDEN, TrainableDrafter
+from specbench.decode.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import CrossAttentionBlock
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.tree import in_block, up_to_start, visible
-from specbench.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.tree import in_block, up_to_start, visible
+from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
 def window_starts(length: int, window: int, offset: int, device) -> torch.Tensor:

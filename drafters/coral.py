@@ -145,7 +145,7 @@ class CoralRouterOptions:
 @functools.lru_cache(maxsize=8)
 def _trained_options(base: str | None) -> CoralOptions:
     """CORAL's options as `base`'s checkpoint records them (read once, not at every training step)."""
-    from specbench.checkpoints import read_meta
+    from specbench.decode.checkpoints import read_meta
 
     return CoralDrafter.options(read_meta(base).get("module", {}) if base else {})
 
@@ -164,7 +164,7 @@ class CoralRouterDrafter(CoralDrafter):
 
     @classmethod
     def build_module(cls, target, opts: CoralRouterOptions):
-        from specbench.checkpoints import load_checkpoint
+        from specbench.decode.checkpoints import load_checkpoint
 
         head = CoralDrafter.build_module(target, cls.head_options(opts))
         if opts.base:  # training: start from the trained stage-1 head

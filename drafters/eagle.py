@@ -37,16 +37,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specbench.drafter import HIDDEN, TrainableDrafter
+from specbench.decode.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
-from specbench.compiled import decode
+from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
+from specbench.decode.compiled import decode
 from specbench.errors import SpecbenchError
-from specbench.tree import tree_attention_mask
-from specbench.types import DraftTree, TargetState, VerifyResult
-from specbench.vocab import COUNTS_FILE, PrunedLMHead, pruned_lm_head
+from specbench.decode.tree import tree_attention_mask
+from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.vocab import COUNTS_FILE, PrunedLMHead, pruned_lm_head
 
 
 class EagleHead(nn.Module):
@@ -67,7 +67,7 @@ class EagleHead(nn.Module):
         """emb, feat [B, Q, H] -> predicted next features [B, Q, H]; with route=True also the router's group logits
         [B, Q, N]. `attention`: keywords for the layer's attention function (HASS's training form, drafters/hass.py)."""
         x = self.fc(torch.cat([emb, feat], dim=-1))
-        # (on model.compile's static cache, the compiled body: specbench/compiled.py)
+        # (on model.compile's static cache, the compiled body: specbench/decode/compiled.py)
         out = decode(self.body, cache, inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
                      **attention)
         return (out, self.router(out)) if route else out

@@ -50,12 +50,12 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.checkpoints import copy_state, read_state, resolve, weight_file
-from specbench.drafter import LAYERS, TrainableDrafter
+from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
+from specbench.decode.drafter import LAYERS, TrainableDrafter
 from specbench.errors import SpecbenchError
-from specbench.tree import visible
-from specbench.types import DraftTree, TargetState, VerifyResult
-from specbench.vocab import covering_size, frequent_ids
+from specbench.decode.tree import visible
+from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.vocab import covering_size, frequent_ids
 
 
 def default_layers(num_layers: int) -> tuple[int, int, int]:
@@ -316,7 +316,6 @@ def save_for_serving(head: Eagle3Head, target, out: Path, fmt: str, verifier: st
     if fmt not in SERVING_FORMATS:
         raise SpecbenchError(f"export.format={fmt!r} is not one of {', '.join(SERVING_FORMATS)}")
     base, layer = target.model.config, head.midlayer
-    a = layer.self_attn
     h = head.fc.out_features
     dtype = str(target.dtype).removeprefix("torch.")
     llama = {"model_type": "llama", "hidden_act": getattr(base, "hidden_act", "silu"), "hidden_size": h,

@@ -15,7 +15,7 @@ gradient). Step j's loss is EAGLE's (w_reg = 1, w_cls = 0.1) plus harmonized obj
 Schedule, the authors' `train.sh` mapped onto our budget: they train 40 epochs without the Top-K term (`--topk_w 0`,
 lr 3e-5) and then 10 more with it (`--topk_w 1`, lr 1e-5), a second run that starts from the first's weights with a
 fresh optimiser and its own warm-up and decay. Here the same inside the one budget: the last `topk_stage` (1/5 = 10 of
-50 epochs) of the steps is a Restart (specbench/drafter.py) with a fresh AdamW and the budget's warm-up and cosine over
+50 epochs) of the steps is a Restart (specbench/decode/drafter.py) with a fresh AdamW and the budget's warm-up and cosine over
 its own steps, peaking at train.lr x `topk_lr_scale` (1/3 = 1e-5 / 3e-5), with the Top-K term on.
 The concatenated-steps forward also recomputes the earlier steps' outputs (unused), at about twice the compute of
 step j alone; the earlier steps' keys/values come from the same detached inputs, so step j's gradient is unchanged.
@@ -45,8 +45,8 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 
 from drafters.distill import soft_ce, teacher_probs
 from drafters.eagle import EagleDrafter, EagleOptions
-from specbench.drafter import Restart
-from specbench.tree import additive, harmonized
+from specbench.decode.drafter import Restart
+from specbench.decode.tree import additive, harmonized
 
 
 AUTHORS_ATTENTION = "hass_authors"
@@ -163,6 +163,14 @@ class HassDrafter(EagleDrafter):
         head = super().build_module(target, opts)
         if attention == "authors":
             use_authors_attention(head)
+        return head
+
+    @classmethod
+    def load_module(cls, target, checkpoint, options):
+        """The decoding module: EAGLE's head with stock SDPA attention (the authors' drafting adds its mask)."""
+        head = super().load_module(target, checkpoint, options)
+        if head.body.config._attn_implementation == AUTHORS_ATTENTION:
+            head.body.set_attn_implementation("sdpa")
         return head
 
     @classmethod

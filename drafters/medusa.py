@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench.drafter import HIDDEN, OwnTree, TrainableDrafter, chain_paths
+from specbench.decode.drafter import HIDDEN, OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import soft_ce, teacher_probs
 from drafters.trees import list_order, paths_from_accuracies, sorted_paths
-from specbench.checkpoints import check_keys, resolve
+from specbench.decode.checkpoints import check_keys, resolve
 from specbench.errors import SpecbenchError
-from specbench.tree import is_chain
-from specbench.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.tree import is_chain
+from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
 # The sparse tree Medusa's authors decode their published 7B heads with (FasterDecoding/Medusa

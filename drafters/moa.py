@@ -63,15 +63,15 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specbench.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
-from specbench.drafter import KV, TrainableDrafter
+from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
+from specbench.decode.drafter import KV, TrainableDrafter
 from specbench.errors import SpecbenchError
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import target_layer
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.target import kv_per_token
-from specbench.tree import additive, tree_attention_mask, visible
-from specbench.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.target import kv_per_token
+from specbench.decode.tree import additive, tree_attention_mask, visible
+from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
 def _dims(cfg) -> tuple[int, int, int, int]:
@@ -402,7 +402,7 @@ class MoADrafter(TrainableDrafter):
     @torch.no_grad()
     def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
         """Greedy chains through the decoding path itself (the target's K/V recomputed for the prefix)."""
-        from specbench.target import cache_kv
+        from specbench.decode.target import cache_kv
 
         d = cls(target, net=module)  # the decoding path around the module being trained
         out = []

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from specbench.drafter import Drafter, OwnTree, chain_paths
-from specbench.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.drafter import Drafter, OwnTree, chain_paths
+from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
 def lookup(tokens: torch.Tensor, max_ngram: int, min_ngram: int, num_pred: int, prefer: str = "first") -> torch.Tensor:

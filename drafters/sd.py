@@ -23,16 +23,16 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from specbench.drafter import OwnTree, TrainableDrafter, chain_paths
+from specbench.decode.drafter import OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import kl, teacher_probs, top1
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.checkpoints import resolve
-from specbench.compiled import decode
+from specbench.decode.checkpoints import resolve
+from specbench.decode.compiled import decode
 from specbench.errors import SpecbenchError
-from specbench.kvcache import StaticCache
-from specbench.sampling import logits_to_probs, sample
-from specbench.tree import tree_attention_mask
-from specbench.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.kvcache import StaticCache
+from specbench.decode.sampling import logits_to_probs, sample
+from specbench.decode.tree import tree_attention_mask
+from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
 def small_llama(target, init_layers: list[int]) -> PreTrainedModel:
@@ -200,7 +200,7 @@ class IndependentDrafter(TrainableDrafter):
 
     def _logits(self, ids: torch.Tensor, last: bool, **kw) -> torch.Tensor:
         """The draft model on ids [1, Q] over its cache -> logits [1, Q, V'] (last: [1, 1, V'], the last row's)."""
-        if isinstance(self.cache, StaticCache):  # model.compile: the compiled decoder (specbench/compiled.py)
+        if isinstance(self.cache, StaticCache):  # model.compile: the compiled decoder (specbench/decode/compiled.py)
             hidden = decode(self.model.get_decoder(), self.cache, input_ids=ids, **kw)
             return self.model.get_output_embeddings()(hidden[:, -1:] if last else hidden)
         return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=int(last),

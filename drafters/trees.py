@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 from specbench.errors import SpecbenchError
-from specbench.tree import is_chain
-from specbench.types import DraftTree
+from specbench.decode.tree import is_chain
+from specbench.decode.types import DraftTree
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def paths_from_accuracies(acc: list[list[float]], nodes: int) -> list[list[int]]
 def list_order(given: list[list[int]], paths: list[list[int]]) -> list[float]:
     """Each of `paths` (topologically sorted) ranked by its place in the `given` list, as a priority (higher first):
     the authors' lists and paths_from_accuracies put likelier paths first, each after its prefix, so the first n
-    paths are the tree of n nodes (specbench/costmodel.py replays smaller trees on this order)."""
+    paths are the tree of n nodes (specbench/bench/costmodel.py replays smaller trees on this order)."""
     order = {tuple(p): i for i, p in enumerate(given)}
     return [-float(order[tuple(p)]) for p in paths]
 

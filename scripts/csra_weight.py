@@ -5,10 +5,10 @@ from pathlib import Path
 
 import torch, random
 from hydra import compose, initialize_config_dir
-from specbench.config import register_schema
-from specbench.train import Trainer, prepare_features, collate, add_noise
+from specbench.core.config import register_schema
+from specbench.train.trainer import Trainer, prepare_features, collate, add_noise
 from drafters.coral import CoralDrafter
-from specbench.checkpoints import load_checkpoint
+from specbench.decode.checkpoints import load_checkpoint
 register_schema()
 with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
     cfg = compose(config_name="config", overrides=["drafter=coral"])

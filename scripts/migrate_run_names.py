@@ -1,4 +1,4 @@
-"""Rename run directories written before run names hashed the resolved target (specbench/run.py model_identity).
+"""Rename run directories written before run names hashed the resolved target (specbench/bench/run.py model_identity).
 
     python scripts/migrate_run_names.py [results]
 
@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from specbench.records import atomic_write_json
-from specbench.run import recorded_key, run_name
+from specbench.core.records import atomic_write_json
+from specbench.bench.run import recorded_key, run_name
 
 
 def migrate(results: Path) -> dict[Path, str]:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from specbench.config import register_schema
-from specbench.engine import Engine
-from specbench.run import Runner
+from specbench.core.config import register_schema
+from specbench.decode.engine import Engine
+from specbench.bench.run import Runner
 
 
 def main(drafter: str = "eagle2", max_new: int = 64, compiled: bool = False, ops: bool = False) -> None:

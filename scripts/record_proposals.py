@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path.cwd()))
 
-from specbench import envinfo  # noqa: E402
-from specbench.engine import Engine  # noqa: E402
-from specbench.types import SamplingParams  # noqa: E402
+from specbench.core import envinfo  # noqa: E402
+from specbench.decode.engine import Engine  # noqa: E402
+from specbench.decode.types import SamplingParams  # noqa: E402
 from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter, target_for  # noqa: E402
 
 STEPS = 12  # proposals recorded per drafter

@@ -9,10 +9,10 @@ import statistics
 
 from omegaconf import OmegaConf
 
-from specbench.cli import CONF_DIR
-from specbench.config import ModelConfig, to_dataclass
-from specbench.conversations import encode, iter_records, sharegpt_path, to_conversation
-from specbench.models import resolve_checkpoint
+from specbench.core.cli import CONF_DIR
+from specbench.core.config import ModelConfig, to_dataclass
+from specbench.data.conversations import encode, iter_records, sharegpt_path, to_conversation
+from specbench.core.models import resolve_checkpoint
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specbench.config import register_schema
+from specbench.core.config import register_schema
 from tests.helpers import tiny_llama
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -6,10 +6,10 @@ import random
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specbench.drafter import Drafter
-from specbench.engine import Engine
-from specbench.target import TargetModel
-from specbench.types import DraftTree, SamplingParams, TargetState, VerifyResult
+from specbench.decode.drafter import Drafter
+from specbench.decode.engine import Engine
+from specbench.decode.target import TargetModel
+from specbench.decode.types import DraftTree, SamplingParams, TargetState, VerifyResult
 
 
 def tiny_llama(vocab: int = 128, layers: int = 6, hidden: int = 32, seed: int = 0, eos: int | None = None,

@@ -7,13 +7,13 @@ from collections import Counter
 import pytest
 import torch
 
-from specbench.engine import Engine
-from specbench.kvcache import PreallocatedCache, PreallocatedLayer
-from specbench.perf_drafters import CountedDrafter
-from specbench.roundtrips import HostRoundTrips
-from specbench.target import compact_rows
-from specbench.tree import additive, ancestor_matrix, batch_tree_mask, padded_ancestors, visible
-from specbench.types import SamplingParams
+from specbench.decode.engine import Engine
+from specbench.decode.kvcache import PreallocatedCache, PreallocatedLayer
+from specbench.tools.perf_drafters import CountedDrafter
+from specbench.decode.roundtrips import HostRoundTrips
+from specbench.decode.target import compact_rows
+from specbench.decode.tree import additive, ancestor_matrix, batch_tree_mask, padded_ancestors, visible
+from specbench.decode.types import SamplingParams
 from tests.helpers import RandomTreeDrafter, hf_greedy, tiny_llama
 from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter, target_for
 from tests.test_distribution import CASES, DRAFTERS, PROMPT, chi2_pvalue, exact_law, target, tv

@@ -4,8 +4,8 @@ from dataclasses import replace
 import torch
 
 from drafters.beagle import BeagleDrafter, simulated_steps, window_starts
-from specbench.target import TargetModel
-from specbench.train import Batch
+from specbench.decode.target import TargetModel
+from specbench.train.trainer import Batch
 from tests.helpers import tiny_llama
 
 

@@ -1,17 +1,17 @@
-"""Cache compaction after verification (specbench/target.py): the accepted entries are moved into place behind the
+"""Cache compaction after verification (specbench/decode/target.py): the accepted entries are moved into place behind the
 root and the rest is cropped, in the storage the cache already has (the prefix is never copied). The preallocated
-cache (specbench/kvcache.py, model.cache=preallocated) decodes every drafter to the same tokens and steps as
+cache (specbench/decode/kvcache.py, model.cache=preallocated) decodes every drafter to the same tokens and steps as
 DynamicCache, writes in place and grows only past its capacity."""
 import pytest
 import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
-from specbench.engine import Engine
+from specbench.decode.engine import Engine
 from specbench.errors import SpecbenchError
-from specbench.kvcache import PreallocatedCache, PreallocatedLayer
-from specbench.target import TargetModel, compact_cache
-from specbench.types import SamplingParams
+from specbench.decode.kvcache import PreallocatedCache, PreallocatedLayer
+from specbench.decode.target import TargetModel, compact_cache
+from specbench.decode.types import SamplingParams
 from tests.helpers import hf_greedy, tiny_llama
 
 CACHES = {"dynamic": lambda cfg: DynamicCache(config=cfg), "preallocated": lambda cfg: PreallocatedCache(cfg, 64)}
@@ -99,13 +99,13 @@ def test_a_target_whose_layers_it_cannot_hold_is_refused_in_one_line():
 
 
 def test_make_limit_reports_the_baseline_against_the_bare_matmul_time(tiny_checkpoint, question_file, tmp_path):
-    """specbench/limit.py on the tiny target: a bare-matmul time over its 6 x 7 + 1 weight matrices, and each cache's
+    """specbench/tools/limit.py on the tiny target: a bare-matmul time over its 6 x 7 + 1 weight matrices, and each cache's
     baseline ms per token with its overhead share, eager and compiled (measured, so only their signs and shapes are
     checked)."""
     from hydra import compose, initialize_config_dir
 
-    from specbench.config import register_schema
-    from specbench.limit import run_limit
+    from specbench.core.config import register_schema
+    from specbench.tools.limit import run_limit
     from tests.test_conformance import CONF
 
     register_schema()

@@ -5,12 +5,12 @@ buckets are warm, and the static cache refuses what it cannot hold."""
 import pytest
 import torch
 
-from specbench.engine import Engine
+from specbench.decode.engine import Engine
 from specbench.errors import SpecbenchError
-from specbench.kvcache import StaticCache
-from specbench.run import Runner
-from specbench.target import TargetModel
-from specbench.types import SamplingParams, TargetState
+from specbench.decode.kvcache import StaticCache
+from specbench.bench.run import Runner
+from specbench.decode.target import TargetModel
+from specbench.decode.types import SamplingParams, TargetState
 from tests.helpers import hf_greedy, tiny_llama
 from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter
 

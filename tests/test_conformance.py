@@ -8,12 +8,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from specbench.drafter import HIDDEN, KV, LAYERS, Drafter
-from specbench.config import register_schema
-from specbench.engine import Engine
-from specbench.run import inference_spec
-from specbench.target import TargetModel, cache_kv
-from specbench.types import SamplingParams, TargetState
+from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter
+from specbench.core.config import register_schema
+from specbench.decode.engine import Engine
+from specbench.bench.run import inference_spec
+from specbench.decode.target import TargetModel, cache_kv
+from specbench.decode.types import SamplingParams, TargetState
 from tests.helpers import RandomTreeDrafter, engine_greedy, hf_greedy, tiny_llama
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "drafter"
@@ -164,8 +164,8 @@ def test_a_target_placed_by_a_device_map_decodes_losslessly(name, tiny_checkpoin
     the same loading and decoding path; drafters that read hidden states, the target's K/V and its last layer."""
     import json
 
-    from specbench.config import ModelConfig
-    from specbench.models import load_model
+    from specbench.core.config import ModelConfig
+    from specbench.core.models import load_model
 
     layers = json.loads((tiny_checkpoint / "config.json").read_text())["num_hidden_layers"]
     dmap = {"model.embed_tokens": "cpu", **{f"model.layers.{i}": "cpu" for i in range(layers)}, "model.norm": "cpu",

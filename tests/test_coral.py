@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from drafters.coral import CoralDrafter, CoralRouterDrafter, LMHeadRouter, csra_loss
-from specbench.checkpoints import save_checkpoint, target_identity
-from specbench.target import TargetModel
+from specbench.decode.checkpoints import save_checkpoint, target_identity
+from specbench.decode.target import TargetModel
 from tests.helpers import tiny_llama
 
 
@@ -50,7 +50,7 @@ def test_coral_training_is_eq3_per_step_without_a_topk_term():
     detached, so step j's CSRA gradient reaches step j's anchors only."""
     from drafters.distill import soft_ce, teacher_probs
     from drafters.hass import harmonized_steps
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def test_group_mass_sums_probability_per_group():
 
 
 def test_router_stage_trains_only_the_router_on_the_frozen_head(tmp_path):
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""tree=auto (specbench/costmodel.py): the smaller trees it predicts for are the trees the policies grow, the
+"""tree=auto (specbench/bench/costmodel.py): the smaller trees it predicts for are the trees the policies grow, the
 choice follows the measured costs, and a run with tree=auto records its choice and stays lossless."""
 import json
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from drafters.trees import DynamicTree, Level, StaticTree
-from specbench.costmodel import DrafterCost, StepTrace, TargetCost, best_tree, kept_nodes, predicted_tau
-from specbench.report import report
-from specbench.run import Runner
-from specbench.tree import node_depths
+from specbench.bench.costmodel import DrafterCost, StepTrace, TargetCost, best_tree, kept_nodes, predicted_tau
+from specbench.bench.report.main import report
+from specbench.bench.run import Runner
+from specbench.decode.tree import node_depths
 
 V = 12
 TABLE = torch.randint(-3, 4, (V, V), generator=torch.Generator().manual_seed(0)).float()  # integer logits: ties
@@ -183,8 +183,8 @@ def test_tree_auto_tunes_drafters_without_a_dynamic_policy(make_cfg, tmp_path, d
 def test_the_verify_cost_is_timed_on_the_engines_path():
     """At batch B the forwards go through generate_batch's preallocated cache and per-row masks; compiled, through the
     static cache, with room for the run's context (past its first 1,024 positions too) and the largest bucket."""
-    from specbench.costmodel import time_verify
-    from specbench.target import TargetModel
+    from specbench.bench.costmodel import time_verify
+    from specbench.decode.target import TargetModel
     from tests.helpers import tiny_llama
 
     eager = TargetModel(tiny_llama(layers=2), None, torch.device("cpu"), "tiny")
@@ -198,8 +198,8 @@ def test_the_verify_cost_is_timed_on_the_engines_path():
 def test_the_verify_sizes_are_timed_in_rounds():
     """Every round times each size once (round 0 the warm-up): a host whose speed drifts during a calibration then
     shifts every size alike, where sizes timed one after another made verify(Q) / verify(1) the drift's."""
-    from specbench.costmodel import time_verify
-    from specbench.target import TargetModel
+    from specbench.bench.costmodel import time_verify
+    from specbench.decode.target import TargetModel
     from tests.helpers import tiny_llama
 
     order = []

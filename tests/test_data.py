@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from specbench.config import DatasetConfig, to_dataclass
-from specbench.data import load_questions
+from specbench.core.config import DatasetConfig, to_dataclass
+from specbench.data.data import load_questions
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "dataset"
 EXPECTED = {"mtbench": (80, 2), "humaneval": (80, 1), "humaneval_full": (164, 1), "gsm8k": (80, 1),

@@ -9,8 +9,8 @@ from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from specbench.errors import SpecbenchError
-from specbench.metrics import PeakMemory, nvml_handle
-from specbench.models import pin_engine_modules
+from specbench.core.metrics import PeakMemory, nvml_handle
+from specbench.core.models import pin_engine_modules
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_memory_covers_every_device_of_the_target(monkeypatch):
 
 
 def test_sync_waits_on_every_device(monkeypatch):
-    from specbench.engine import sync
+    from specbench.decode.engine import sync
 
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d: synced.append(d.index))

@@ -16,11 +16,11 @@ from drafters.eagle import EagleDrafter
 from drafters.medusa import MedusaDrafter
 from drafters.pld import PromptLookup
 from drafters.sd import IndependentDrafter
-from specbench.engine import Engine
-from specbench.sampling import logits_to_probs
-from specbench.target import TargetModel
-from specbench.types import SamplingParams
-from specbench.vocab import save_counts
+from specbench.decode.engine import Engine
+from specbench.decode.sampling import logits_to_probs
+from specbench.decode.target import TargetModel
+from specbench.decode.types import SamplingParams
+from specbench.decode.vocab import save_counts
 from tests.helpers import RandomTreeDrafter, tiny_llama
 
 V = 8

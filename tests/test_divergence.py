@@ -1,13 +1,13 @@
 """A greedy output that leaves the baseline's is classified at its first divergence: a near-tie of the target's two
-best tokens (bf16's rounding can pick either) or a mismatch (specbench/divergence.py)."""
+best tokens (bf16's rounding can pick either) or a mismatch (specbench/bench/divergence.py)."""
 import json
 from types import SimpleNamespace
 
 import torch
 
-from specbench import divergence
-from specbench.records import read_jsonl
-from specbench.run import Runner
+from specbench.bench import divergence
+from specbench.core.records import read_jsonl
+from specbench.bench.run import Runner
 
 
 class Replay:
@@ -49,7 +49,7 @@ def test_a_swapped_acceptance_in_a_real_run_is_a_mismatch(make_cfg, monkeypatch)
     """A verification bug injected in the engine (the test's only): at one step the bonus token is the argmax's
     neighbour. The drafter's output leaves the baseline's there, and the replay of its tree row does not reproduce
     the token it emitted: a mismatch, not a near-tie."""
-    from specbench import engine as engine_mod
+    from specbench.decode import engine as engine_mod
 
     Runner(make_cfg("drafter=none", "dataset.limit=1")).execute()
     real, calls = engine_mod.greedy_accept, {"n": 0}
@@ -103,7 +103,7 @@ def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(ma
     test's only) at one row's step of a batch: that row leaves its batched baseline, and the replays of both runs'
     batches capture the diverging row at the diverging position (each gives the target's token there, as the
     baseline emitted it): a mismatch, since the drafter's replayed row does not reproduce its run's token."""
-    from specbench import engine as engine_mod
+    from specbench.decode import engine as engine_mod
 
     batch = ("decoding.batch_size=2",)
     base = Runner(make_cfg("drafter=none", *batch)).execute()

@@ -3,10 +3,10 @@ where the drafter configs look, and a sweep missing them says which command make
 import pytest
 from hydra import compose, initialize_config_dir
 
-from specbench.config import ModelConfig, register_schema, to_dataclass
-from specbench.download import download
+from specbench.core.config import ModelConfig, register_schema, to_dataclass
+from specbench.tools.download import download
 from specbench.errors import SpecbenchError
-from specbench.sweep import missing_weights
+from specbench.bench.sweep import missing_weights
 from tests.conftest import CONF
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from drafters.eagle3 import Eagle3Drafter, Eagle3Options, default_layers
 from specbench.errors import SpecbenchError
-from specbench.features import online_layers
+from specbench.train.features import online_layers
 from tests.helpers import engine_greedy, hf_greedy, tiny_target
 
 
@@ -66,7 +66,7 @@ def test_draft_vocabulary_is_the_most_frequent_ids_and_maps_back():
 def test_a_resumed_head_marks_its_own_draft_vocabulary(tmp_path):
     """A trainer's resume loads d2t into a head built with the identity vocabulary (fit_data runs at step 0 only): t2d,
     which the loss's position mask reads, must follow the loaded d2t (a stored copy of it once stayed the identity)."""
-    from specbench.checkpoints import load_checkpoint, save_checkpoint, target_identity
+    from specbench.decode.checkpoints import load_checkpoint, save_checkpoint, target_identity
 
     target = tiny_target(seed=0)
     trained = Eagle3Drafter.build_module(target, Eagle3Options(draft_vocab=5))
@@ -81,7 +81,7 @@ def test_a_resumed_head_marks_its_own_draft_vocabulary(tmp_path):
 
 def test_the_loss_is_over_the_draft_vocabulary_and_skips_undraftable_targets():
     """A position whose target top-1 is outside the draft vocabulary adds nothing (the authors' position_mask)."""
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     target = tiny_target(seed=0, scale=20.0)
     opts = Eagle3Options(draft_vocab=8, steps=2)
@@ -256,7 +256,7 @@ def test_an_unknown_serving_format_is_one_line(tmp_path):
 
 
 def test_the_draft_vocabulary_is_sized_by_the_coverage_rule():
-    from specbench.vocab import covering_size
+    from specbench.decode.vocab import covering_size
 
     counts = torch.zeros(100)
     counts[:10] = torch.tensor([50.0, 20, 10, 8, 5, 3, 2, 1, 0.5, 0.5])  # 100 tokens over 10 ids

@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from specbench.records import read_jsonl
-from specbench.run import Runner
+from specbench.core.records import read_jsonl
+from specbench.bench.run import Runner
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from specbench import fetch_data
-from specbench.config import DatasetConfig
-from specbench.data import load_questions
+from specbench.data import fetch_data
+from specbench.core.config import DatasetConfig
+from specbench.data.data import load_questions
 from specbench.errors import SpecbenchError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,8 +4,8 @@ import torch
 from transformers import DynamicCache
 
 from drafters.hass import HassDrafter, harmonized_steps
-from specbench.target import TargetModel
-from specbench.tree import harmonized
+from specbench.decode.target import TargetModel
+from specbench.decode.tree import harmonized
 from tests.helpers import tiny_llama
 
 
@@ -38,7 +38,7 @@ def test_training_steps_equal_decoding_with_own_features():
 def test_each_step_is_its_own_graph_on_detached_inputs_and_losses_sum():
     """The authors' main_hass.py: step j reads step j-1's prediction detached, is backpropagated on its own, and the
     step losses add up; the Top-K term is off before the last `topk_stage` of the steps and on in it."""
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     torch.manual_seed(0)
     target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
@@ -88,9 +88,9 @@ def test_eagle_head_is_the_authors_layout():
 def test_the_top_k_stage_is_the_authors_second_run():
     """train.sh: 40 epochs without the Top-K term, then 10 with it at lr 1e-5 (3e-5 before), from a fresh optimiser:
     a Restart at 4/5 of the budget scaled 1/3; the term switches on at the very step the restart starts."""
-    from specbench.config import TrainConfig
-    from specbench.drafter import Restart
-    from specbench.train import scheduled_lr, stage_starts
+    from specbench.core.config import TrainConfig
+    from specbench.decode.drafter import Restart
+    from specbench.train.trainer import scheduled_lr, stage_starts
 
     opts = HassDrafter.options()
     assert HassDrafter.restarts(opts) == (Restart(at=0.8, lr_scale=1 / 3),)
@@ -133,7 +133,7 @@ def test_the_authors_training_attention_is_their_multiplied_mask(j):
     from types import SimpleNamespace
 
     from drafters.hass import authors_attention, harmonized_inputs
-    from specbench.tree import additive
+    from specbench.decode.tree import additive
 
     torch.manual_seed(j)
     b, nh, n, d = 2, 2, 7, 4
@@ -175,5 +175,6 @@ def test_the_authors_training_attention_trains_and_drafting_stays_additive():
         next(harmonized_steps(plain, emb, hidden[:, :-1], pad, 2, attention="authors"))
     with pytest.raises(ValueError, match="train_attention='both'"):
         HassDrafter.build_module(target, HassDrafter.options(train_attention="both"))
-    # decoding drops the training-only option: a checkpoint trained either way decodes with the same module
+    # decoding drops the training-only option: a checkpoint trained either way decodes with the same module, on SDPA
     assert "train_attention" not in HassDrafter.decoding_options({"train_attention": "authors", "bias": True})
+    assert HassDrafter.load_module(target, None, {"train_attention": "authors"}).body.config._attn_implementation == "sdpa"

@@ -1,4 +1,4 @@
-"""A drafter's target, recognised in any dtype (specbench/identity.py): fp32, bf16 and fp16 loads of the same weights
+"""A drafter's target, recognised in any dtype (specbench/decode/identity.py): fp32, bf16 and fp16 loads of the same weights
 are one target; other weights are not."""
 import json
 from pathlib import Path
@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specbench.checkpoints import check_target, target_identity
+from specbench.decode.checkpoints import check_target, target_identity
 from specbench.errors import SpecbenchError
-from specbench.identity import mismatch, signature
+from specbench.decode.identity import mismatch, signature
 from tests.helpers import tiny_llama, tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,9 +52,9 @@ def test_committed_drafters_load_on_the_embedded_target_in_half_precision(make_c
     into the module its config builds today (every name and shape: a rebuilt module orphans old weights)."""
     from hydra.utils import get_class
 
-    from specbench.config import ModelConfig, to_dataclass
-    from specbench.models import load_model
-    from specbench.target import TargetModel
+    from specbench.core.config import ModelConfig, to_dataclass
+    from specbench.core.models import load_model
+    from specbench.decode.target import TargetModel
 
     cfg = make_cfg(f"model.dtype={dtype}", tiny=False)
     mc = to_dataclass(ModelConfig, cfg.model)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from drafters.moa import MoADrafter, block_starts, staircase_rows
-from specbench.target import TargetModel, cache_kv, kv_per_token
-from specbench.types import TargetState
+from specbench.decode.target import TargetModel, cache_kv, kv_per_token
+from specbench.decode.types import TargetState
 from tests.helpers import tiny_llama
 
 OPTS = dict(lsa_mlp=48, sa_mlp=16, ca_mlp=48)
@@ -101,7 +101,7 @@ def test_lsa_attends_across_every_layer_and_the_tli_loss_has_both_terms():
                                           position_embeddings=net.lsa_rotary(y, torch.arange(3)[None]))
     assert not torch.allclose(first[:, 0], first2[:, 0])
     torch.testing.assert_close(base, net.Ekv2E(first.mean(1)))
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     t = ids.shape[1]
     cache = target.new_cache()
@@ -136,7 +136,7 @@ def test_the_widths_are_the_authors_code_or_table_6_scaled_to_the_target(shape, 
 
 
 def test_the_pre_tli_loss_is_zero_at_block_starts():
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     target, net, ids, kv = setup(1)
     t = ids.shape[1]

@@ -1,4 +1,4 @@
-"""`make peer` (specbench/peer.py): the head written in the authors' layout is the head that was trained, the target
+"""`make peer` (specbench/tools/peer.py): the head written in the authors' layout is the head that was trained, the target
 exported for transformers 4.36 is the same model, and one definition of the compared output and its acceptance length
 serves both sides. The authors' side itself (eagle-llm in .peer-venv) runs in the last test where that environment
 exists (`make peer` builds it)."""
@@ -10,10 +10,10 @@ import torch
 from transformers import AutoConfig
 
 from drafters.eagle import EagleDrafter, save_authors_head
-from specbench.engine import Engine
+from specbench.decode.engine import Engine
 from specbench.errors import SpecbenchError
-from specbench.peer import AuthorsSide, compared, export_target, first_divergence, steps_to
-from specbench.types import SamplingParams
+from specbench.tools.peer import AuthorsSide, compared, export_target, first_divergence, steps_to
+from specbench.decode.types import SamplingParams
 from tests.helpers import hf_greedy
 from tests.test_published_layouts import DIMS, target_of, write_authors_head
 
@@ -100,7 +100,7 @@ def test_the_authors_eagle_and_ours_emit_the_same_tokens_and_steps(tmp_path, tin
     each the target's greedy output, in the same number of tree-verification steps."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from specbench.target import TargetModel
+    from specbench.decode.target import TargetModel
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     target = TargetModel(LlamaForCausalLM.from_pretrained(tiny_checkpoint).eval(), tok, torch.device("cpu"), "t")
@@ -128,10 +128,10 @@ def test_make_peer_runs_both_targets_end_to_end(tmp_path, tiny_checkpoint, quest
     from hydra import compose, initialize_config_dir
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from specbench.checkpoints import save_checkpoint, target_identity
-    from specbench.config import register_schema
-    from specbench.peer import run_peer
-    from specbench.target import TargetModel
+    from specbench.decode.checkpoints import save_checkpoint, target_identity
+    from specbench.core.config import register_schema
+    from specbench.tools.peer import run_peer
+    from specbench.decode.target import TargetModel
     from tests.test_conformance import CONF
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)

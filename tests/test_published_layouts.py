@@ -11,10 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafters.eagle import EagleDrafter
 from drafters.hass import HassDrafter
-from specbench.engine import Engine
+from specbench.decode.engine import Engine
 from specbench.errors import SpecbenchError
-from specbench.target import TargetModel
-from specbench.types import SamplingParams
+from specbench.decode.target import TargetModel
+from specbench.decode.types import SamplingParams
 from tests.helpers import hf_greedy
 
 DIMS = {  # (vocab, hidden, heads, kv heads, intermediate)
@@ -190,7 +190,7 @@ def test_published_medusa_heads_load_with_their_own_lm_heads_and_decode_lossless
     drafter = MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree="auto")
     assert len(MEDUSA_MC_SIM_7B_63) == 63 and sorted(map(tuple, drafter.paths)) == sorted(map(tuple, MEDUSA_MC_SIM_7B_63))
     # ... and says so to run.json, whose caption then names it (not "from the heads' accuracies")
-    from specbench.report import tree_of
+    from specbench.bench.report.cells import tree_of
 
     assert drafter.tree_used["name"] == "mc_sim_7b_63"
     assert tree_of({"name": "medusa", "tree": "auto", "tree_nodes": 19}, drafter.tree_used).startswith(
@@ -215,7 +215,7 @@ def test_a_medusa_checkpoint_that_does_not_fit_gets_one_line(tmp_path, kwargs, m
 def write_authors_moa(path, target, drop=(), extra=None, config=None):
     """MoA's drafter as its authors' save_pretrained writes it: the target's config.json, the drafter's tensors in
     model.safetensors (bf16), from specbench.replicas.moa_state (their rule, not drafters/moa.py)."""
-    from specbench.replicas import moa_state
+    from specbench.tools.replicas import moa_state
 
     cfg = target.model.config
     state = moa_state(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, seed=4)
@@ -284,7 +284,7 @@ def test_published_heads_decode_next_to_a_half_precision_target(tmp_path, dtype)
     target.model.to(dtype)
     write_authors_medusa(tmp_path / "medusa", 32, 128)
     write_authors_head(tmp_path / "eagle", DIMS["tiny"], "bin", True)
-    from specbench.drafter import NoDrafter
+    from specbench.decode.drafter import NoDrafter
     prompt = [5, 17, 33, 17, 33, 9, 2, 40]
     base = Engine(target, NoDrafter(target), SamplingParams()).generate(prompt, 24).new_tokens
     for drafter in (MedusaDrafter(target, checkpoint=str(tmp_path / "medusa"), tree="auto"),

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from specbench import rehearse, replicas
+from specbench.tools import rehearse
+
+from specbench.tools import replicas
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +47,9 @@ def test_the_moa_replica_in_its_authors_layout_decodes_on_the_llama3_replica(tmp
     from transformers import AutoModelForCausalLM
 
     from drafters.moa import MoADrafter
-    from specbench.engine import Engine
-    from specbench.target import TargetModel
-    from specbench.types import SamplingParams
+    from specbench.decode.engine import Engine
+    from specbench.decode.target import TargetModel
+    from specbench.decode.types import SamplingParams
     from tests.helpers import hf_greedy
 
     assert rehearse.published("llama3-8b")["moa"] == "huawei-noah/MOASpec-Llama-3-8B-Instruct"
@@ -76,9 +78,9 @@ def test_the_eagle3_replicas_in_their_authors_layout_decode_on_their_targets(tmp
     from transformers import AutoModelForCausalLM
 
     from drafters.eagle3 import Eagle3Drafter
-    from specbench.engine import Engine
-    from specbench.target import TargetModel
-    from specbench.types import SamplingParams
+    from specbench.decode.engine import Engine
+    from specbench.decode.target import TargetModel
+    from specbench.decode.types import SamplingParams
     from tests.helpers import hf_greedy
 
     repo = rehearse.published(model)["eagle3"]

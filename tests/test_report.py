@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specbench.records import read_jsonl
-from specbench.report import (MISSING, Setting, Table, below_one, curve_label, experiment_report, load_failures,
-                              load_runs, predicted_speedup, render, report, tree_of)
+from specbench.core.records import read_jsonl
+from specbench.bench.report.cells import MISSING, Setting, Table, below_one, load_failures, load_runs, render, tree_of
+from specbench.bench.report.experiments import predicted_speedup
+from specbench.bench.report.figures import curve_label
+from specbench.bench.report.main import report
+from specbench.bench.report.tables import experiment_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,7 +158,7 @@ def test_a_table_from_two_devices_says_so():
 def test_a_failed_job_is_named_in_its_table(make_cfg, tmp_path):
     """A job that failed leaves a record under results/<experiment>/failed/: the table of its setting is still written
     (even with no finished run at all), its cells say "failed" instead of "–", and the caption names the error."""
-    from specbench import failures
+    from specbench.bench import failures
 
     cfg = make_cfg("drafter=eagle2", "out.experiment=eagle_alpha")
     path = failures.record(cfg, RuntimeError("mat1 and mat2 must have the same dtype\nsecond line"), ["drafter=eagle2"])
@@ -174,7 +177,7 @@ def test_a_failed_job_is_named_in_its_table(make_cfg, tmp_path):
 
 def test_question_speeds_are_spec_benchs(tmp_path):
     """Spec-Bench's evaluation/speed.py: a question's speed is its turns' new tokens over their summed wall time."""
-    from specbench.report import question_speeds
+    from specbench.bench.report.experiments import question_speeds
 
     rows = [{"repeat": 0, "question_id": "a", "turn": 0, "new_tokens": 10, "wall_s": 1.0, "tokens_per_step": [2, 3]},
             {"repeat": 0, "question_id": "a", "turn": 1, "new_tokens": 30, "wall_s": 3.0, "tokens_per_step": [1]},

@@ -1,13 +1,13 @@
-"""Host round trips per decoding step, counted from outside (specbench/roundtrips.py), for every drafter config: the
+"""Host round trips per decoding step, counted from outside (specbench/decode/roundtrips.py), for every drafter config: the
 engine reads each verification with one transfer, and the drafters grow their trees without reading the device,
 so a host read added to the hot path fails here (a GPU would stall its queue on it every step)."""
 import pytest
 import torch
 
-from specbench.engine import Engine
-from specbench.perf_drafters import count_round_trips
-from specbench.roundtrips import HostRoundTrips
-from specbench.types import SamplingParams
+from specbench.decode.engine import Engine
+from specbench.tools.perf_drafters import count_round_trips
+from specbench.decode.roundtrips import HostRoundTrips
+from specbench.decode.types import SamplingParams
 from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter, target_for
 
 # host round trips per step inside the drafter's propose/on_verified, at most

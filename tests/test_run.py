@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from specbench.errors import SpecbenchError
-from specbench.records import read_jsonl
-from specbench.run import Runner
+from specbench.core.records import read_jsonl
+from specbench.bench.run import Runner
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD_FIELDS = {"question_id", "turn", "repeat", "prompt_tokens", "new_tokens", "new_token_ids", "wall_s",
@@ -80,7 +80,7 @@ def test_the_resolved_target_names_the_run(make_cfg, override):
 def test_the_run_key_holds_the_resolved_dtype_device_and_placement(make_cfg):
     import torch
 
-    from specbench.run import model_identity
+    from specbench.bench.run import model_identity
 
     runner = Runner(make_cfg("drafter=none"))
     ident = model_identity(runner.model_cfg, torch.device("cuda", 1), torch.bfloat16)
@@ -155,7 +155,7 @@ def test_help_works():
 
 
 def test_missing_package_names_the_pip_install():
-    from specbench.models import package_file
+    from specbench.core.models import package_file
 
     with pytest.raises(SpecbenchError, match="pip install --no-deps not-a-real-pkg"):
         package_file("not_a_real_pkg", "x.json")
@@ -166,7 +166,7 @@ def test_dirty_flag_ignores_regenerated_results(tmp_path, monkeypatch):
     set it, a tracked source file edited does."""
     import subprocess
 
-    from specbench import envinfo
+    from specbench.core import envinfo
 
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
@@ -320,7 +320,7 @@ def test_the_context_cuts_a_turn_and_every_method_stops_at_the_same_token(make_c
 
 def test_a_checkpoint_path_of_ones_own_that_is_empty_is_named_as_such(make_cfg, tmp_path):
     """A typo'd drafter.checkpoint suggested `make train ... TRAIN_DRAFTERS=<the path's last part>`."""
-    from specbench.sweep import missing_weights
+    from specbench.bench.sweep import missing_weights
 
     line = missing_weights(make_cfg("drafter=eagle2", f"drafter.checkpoint={tmp_path / 'my-eagel'}"))
     assert line.endswith("no checkpoint is at that path (check drafter.checkpoint)") and "make train" not in line
@@ -369,8 +369,8 @@ def test_a_batched_run_is_lossless_per_row_against_its_batched_baseline(make_cfg
 def test_batches_depend_only_on_the_repeat_and_the_question():
     """Question i is in batch i // B of its repeat, whatever a resume left to do: 5 questions at B = 2 make batches
     {0, 1}, {2, 3}, {4} in every repeat, and a resume that finished question 0 and 3 keeps 1 and 2 apart."""
-    from specbench.data import Question
-    from specbench.run import batches
+    from specbench.data.data import Question
+    from specbench.bench.run import batches
 
     qs = [Question(question_id=str(i), category="c", turns=["t"]) for i in range(5)]
     todo = [(r, q) for r in range(2) for q in qs]

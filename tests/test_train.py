@@ -18,17 +18,17 @@ from drafters.hass import HassDrafter
 from drafters.medusa import MedusaDrafter
 from drafters.moa import MoADrafter
 from drafters.sd import IndependentDrafter
-from specbench.checkpoints import read_meta
-from specbench.conversations import Conversation, encode, iter_records, load_conversations
+from specbench.decode.checkpoints import read_meta
+from specbench.data.conversations import Conversation, encode, iter_records, load_conversations
 from specbench.errors import SpecbenchError
-from specbench.features import FeatureSet, extract
-from specbench.models import load_model
-from specbench.config import ModelConfig
-from specbench.models import chat_prompt_ids
-from specbench.records import read_jsonl
-from specbench.selfdistill import read_done, target_answers
-from specbench.target import TargetModel
-from specbench.train import Trainer
+from specbench.train.features import FeatureSet, extract
+from specbench.core.models import load_model
+from specbench.core.config import ModelConfig
+from specbench.core.models import chat_prompt_ids
+from specbench.core.records import read_jsonl
+from specbench.train.selfdistill import read_done, target_answers
+from specbench.decode.target import TargetModel
+from specbench.train.trainer import Trainer
 from tests.conftest import byte_tokenizer
 from tests.helpers import engine_greedy, hf_greedy, tiny_llama
 
@@ -106,8 +106,8 @@ def test_feature_shards_round_trip_and_resume(tiny_target, tmp_path, sharegpt_fi
 def test_online_kv_equals_stored(tiny_target, tmp_path, sharegpt_file, dtype):
     """MoA's K/V and TLI targets computed per (right-padded) batch from the frozen target are the stored features:
     the same values, rounded through the features' dtype alike (train.kv_features=online vs stored)."""
-    from specbench.features import online_kv
-    from specbench.train import collate
+    from specbench.train.features import online_kv
+    from specbench.train.trainer import collate
 
     train, _ = load_conversations(sharegpt_file, 3, 0)
     enc = [encode(c, tiny_target.tokenizer, None, 200) for c in train]
@@ -151,7 +151,7 @@ def test_trainer_validates_checkpoints_and_the_checkpoint_decodes_losslessly(mak
     prompt = tiny_target.tokenizer("Count from 3 please.")["input_ids"]
     assert engine_greedy(tiny_target, d, prompt, 30) == hf_greedy(tiny_target.model, prompt, 30)
     if drafter == "eagle3":  # its draft vocabulary came from the answers; the CLI writes it for SGLang
-        from specbench.export import export
+        from specbench.tools.export import export
 
         assert d.head.t2d.sum() == d.head.d2t.shape[0]
         out = export(make_cfg("drafter=eagle3", f"drafter.checkpoint={final}", f"export.out={tmp_path / 'sgl'}"))
@@ -198,9 +198,9 @@ def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file
 
 
 def test_make_train_lists_every_trainable_drafter_after_the_weights_it_starts_from():
-    """`make train`'s list (specbench/trainable.py) reads the drafter YAMLs' checkpoint paths, which name the weights
+    """`make train`'s list (specbench/train/trainable.py) reads the drafter YAMLs' checkpoint paths, which name the weights
     root through ${oc.env:SPECBENCH_WEIGHTS,weights}: once it matched only a bare `weights/`, and listed nothing."""
-    from specbench.trainable import trainable_drafters
+    from specbench.train.trainable import trainable_drafters
 
     names = trainable_drafters()
     assert set(names) == {"beagle", "coral", "coral_router", "eagle", "eagle3", "hass", "medusa", "moa", "moa_tli1", "sd"}
@@ -332,7 +332,7 @@ def test_two_ranks_train_what_one_process_trains(tmp_path, sharegpt_file, tiny_c
 def test_trained_weights_decode_through_the_runner_and_name_the_run(make_cfg, tmp_path, sharegpt_file):
     """A drafter run with a checkpoint records the weights' digest, so retrained weights never resume old records."""
     final = Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1}))).run()
-    from specbench.run import Runner
+    from specbench.bench.run import Runner
 
     run = Runner(make_cfg("drafter=medusa", f"drafter.checkpoint={final}")).execute()
     meta = json.loads((run.path / "run.json").read_text())
@@ -355,7 +355,7 @@ def test_medusa_paper_loss_trains_too(make_cfg, tmp_path, sharegpt_file):
 
 def test_medusa_self_distillation_labels_are_the_targets_law_at_each_offset():
     """The one-pass label table equals computing softmax(LMHead(h_{t+k})) for every head separately."""
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     torch.manual_seed(0)
     t = TargetModel(tiny_llama(vocab=50, layers=2), None, torch.device("cpu"), "t")
@@ -378,7 +378,7 @@ def test_medusa_self_distillation_labels_are_the_targets_law_at_each_offset():
 
 def test_sd_distillation_loss_equals_kl_over_every_assistant_position():
     """The LM heads applied only where the loss mask is set give KL(p_target || q_draft) on the full logits."""
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     torch.manual_seed(0)
     t = TargetModel(tiny_llama(vocab=50, layers=3), None, torch.device("cpu"), "t")
@@ -398,8 +398,8 @@ def test_sd_distillation_loss_equals_kl_over_every_assistant_position():
 
 
 def test_lr_schedule_warms_up_then_stays_or_decays_to_zero():
-    from specbench.config import TrainConfig
-    from specbench.train import lr_at
+    from specbench.core.config import TrainConfig
+    from specbench.train.trainer import lr_at
 
     const, cos = TrainConfig(lr=1.0, warmup_steps=4), TrainConfig(lr=1.0, warmup_steps=4, lr_schedule="cosine")
     assert [lr_at(s, const, 20) for s in (0, 3, 19)] == [0.25, 1.0, 1.0]
@@ -414,7 +414,7 @@ def test_trainmem_graph_memory_is_flat_for_beagle_and_grows_for_hass(tmp_path, s
     """The exact saved-for-backward bytes: Beagle's late stage keeps 2T keys whatever s; HASS's graph grows with s."""
     from hydra import compose, initialize_config_dir
 
-    from specbench import trainmem
+    from specbench.tools import trainmem
 
     over = train_overrides(tmp_path, sharegpt_file, **{"train.max_len": 40})
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -432,7 +432,7 @@ def test_trainspeed_measures_each_method_in_fp32_and_under_bf16_autocast(tmp_pat
     so the graph is smaller (autocast is really on, in the trainer's own context), and MoA gets its K/V features."""
     from hydra import compose, initialize_config_dir
 
-    from specbench import trainmem
+    from specbench.tools import trainmem
 
     over = train_overrides(tmp_path, sharegpt_file, **{"train.max_len": 40})
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -491,7 +491,7 @@ def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file, mo
     train_set = FeatureSet.open(answers[0].parent / "train")
     assert all(int(train_set.load(*i)["loss_mask"].sum()) <= 16 for i in train_set.index())
     # MoA's stored K/V (another feature directory) read the same answers: they were generated again (~15 min here)
-    from specbench.train import prepare_features
+    from specbench.train.trainer import prepare_features
 
     trainer = Trainer(make_cfg("drafter=moa", *over, "train.kv_features=stored"))
 
@@ -517,7 +517,7 @@ def test_grad_clip_mode_is_checked_and_value_clipping_clamps(make_cfg, tmp_path,
 @pytest.mark.parametrize(("n", "world"), [(7, 2), (9, 4), (8, 2), (1, 3)])
 def test_every_rank_gets_the_same_number_of_batches(n, world):
     """Uneven data: a rank with fewer batches would hang in the others' all-reduce; every item is used."""
-    from specbench.train import shard
+    from specbench.train.trainer import shard
 
     shards = [shard(list(range(n)), r, world) for r in range(world)]
     assert len({len(s) for s in shards}) == 1
@@ -560,7 +560,7 @@ def test_the_batch_pins_every_tensor_field(monkeypatch):
     """torch's DataLoader (pin_memory=True) pins tensors and collections it knows and calls `pin_memory()` on other
     objects; without the method a Batch came back unpinned and every copy to the GPU was synchronous. Pinning needs
     CUDA: here Tensor.pin_memory is replaced by a marker."""
-    from specbench.train import Batch
+    from specbench.train.trainer import Batch
 
     pinned_ids = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned_ids.append(id(t)) or t.clone())

@@ -3,8 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specbench.tree import ancestor_matrix, is_chain, node_depths, tree_attention_mask, tree_position_ids
-from specbench.verify import greedy_accept, rejection_accept
+from specbench.decode.tree import ancestor_matrix, is_chain, node_depths, tree_attention_mask, tree_position_ids
+from specbench.decode.verify import greedy_accept, rejection_accept
 
 
 def T(xs):  # noqa: N802 - a list as the long tensor the engine hands over
@@ -199,7 +199,7 @@ def test_rejection_accept_equals_the_sequential_walk(tree, seed, with_q):
 
 def test_block_masks_match_their_definitions():
     """up_to_start / in_block (Beagle's windows, MoA's blocks) against the definitions written out key by key."""
-    from specbench.tree import in_block, up_to_start
+    from specbench.decode.tree import in_block, up_to_start
 
     starts = torch.tensor([-1, 0, 0, 0, 3, 3, 5, 5])  # blocks (1..3), (4..5), (6..7)
     real = torch.tensor([[True] * 8, [True] * 6 + [False] * 2])

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from drafters.trees import DynamicTree, StaticTree, make_tree, paths_from_accuracies, sorted_paths
 from specbench.errors import SpecbenchError
-from specbench.tree import node_depths
+from specbench.decode.tree import node_depths
 
 
 def expander(vocab: int, seed: int, calls: list):
@@ -121,7 +121,7 @@ def test_sd_tree_rows_equal_a_plain_forward(kind):
     expanded node's next-token logits equal the model's plain forward over the verified tokens and the node's path,
     and the drafted entries are cropped off afterwards. Over two proposals, so the second starts from a used cache."""
     from drafters.sd import IndependentDrafter
-    from specbench.types import TargetState
+    from specbench.decode.types import TargetState
     from tests.helpers import tiny_target
 
     target = tiny_target(scale=5.0)
@@ -216,7 +216,7 @@ def test_each_experiment_decodes_with_its_papers_tree(experiment):
     experiment's dynamic settings merged into it are ignored by StaticTree); the others draft no conf/tree."""
     from hydra import compose, initialize_config_dir
 
-    from specbench.config import register_schema
+    from specbench.core.config import register_schema
 
     params = OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml").hydra.sweeper.params
     register_schema()

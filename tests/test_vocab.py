@@ -1,4 +1,4 @@
-"""Draft vocabularies (specbench/vocab.py): token counts of the training answers, written by `python -m specbench.vocab`
+"""Draft vocabularies (specbench/decode/vocab.py): token counts of the training answers, written by `python -m specbench.vocab`
 and read back for their target only; the EAGLE family's decode-time pruning (`module.draft_vocab`) scores only the N
 most frequent tokens, drafts nothing else and stays lossless."""
 from pathlib import Path
@@ -8,11 +8,12 @@ import torch
 
 from drafters.coral import CoralRouterDrafter
 from drafters.eagle import EagleDrafter
-from specbench.conversations import Encoded, encode, load_conversations
+from specbench.data.conversations import Encoded, encode, load_conversations
 from specbench.errors import SpecbenchError
-from specbench.run import run_key, run_name
-from specbench.target import TargetModel
-from specbench.vocab import PrunedLMHead, answer_counts, frequent_ids, load_counts, save_counts, write_counts
+from specbench.bench.run import run_key, run_name
+from specbench.decode.target import TargetModel
+from specbench.decode.vocab import PrunedLMHead, frequent_ids, load_counts, save_counts
+from specbench.tools.vocab import answer_counts, write_counts
 from tests.helpers import engine_greedy, hf_greedy, tiny_llama
 from tests.test_conformance import PROMPTS, make_drafter, target_for
 from tests.test_train import sharegpt_file, tiny_target, train_overrides  # noqa: F401 (fixtures)
@@ -119,7 +120,7 @@ def test_the_draft_vocab_experiment_sweeps_n_and_reports_the_saving(tmp_path, ti
     import subprocess
     import sys
 
-    from specbench.report import report
+    from specbench.bench.report.main import report
 
     counts = torch.arange(tiny_target.vocab_size, dtype=torch.long)
     path = save_counts(tmp_path / "counts.safetensors", counts, tiny_target, "test")

@@ -1,0 +1,161 @@
+"""model.compile (issue 30): one HF decoder's tree forwards through torch.compile, over a static cache.
+
+The target's decoder and the drafters' own decoders (EAGLE's one-layer head for eagle / eagle2 / hass / coral, sd's
+draft model) are compiled the same way, gpt-fast's: static shapes, so that a graph is captured once and replayed.
+
+- the cache is a `StaticCache` (specbench/decode/kvcache.py): fixed buffers, rows written at a device-side offset, the host
+  length advanced outside the graph;
+- a forward of Q <= max(BUCKETS) rows (a tree level, a verified tree, a chain) is padded to the next bucket; padding
+  rows hold token 0 (or a zero embedding) at the first row's position, see the first cached entry only, and are
+  written past the length that counts (stale);
+- attention reads the cache up to the end of the current STATIC_BLOCK-sized context block: one graph per (bucket,
+  block), not per length; the mask (causal when None) is widened to the block, its unused columns hidden;
+- a prefill (an empty cache) runs eagerly on the same buffers: prompts have any length.
+On CUDA with inductor, mode reduce-overhead captures each graph as a CUDA graph.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from torch import nn
+
+from specbench.errors import SpecbenchError
+from specbench.decode.kvcache import StaticCache
+from specbench.decode.tree import tree_attention_mask
+
+log = logging.getLogger("specbench")
+
+# tree forwards padded to these row counts (one graph each). Above 16 in steps of half the previous power of two, not
+# powers of two only: on a compute-bound device a padding row costs as much as a real one, and Medusa's 20-row tree
+# padded to 32 made its compiled verification slower than the eager one (two_baselines at d1b6ae1: 125 vs 108 ms)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+STATIC_BLOCK = 256  # static caches, and the context attention reads, in blocks of this many positions
+
+
+def torch_compile(fn, device: torch.device, backend: bool | str):
+    """torch.compile with static shapes: backend True = inductor (with CUDA graphs on CUDA), a string another
+    torch.compile backend (tests: aot_eager, the same capture and guards without a C++ build)."""
+    import torch._dynamo
+
+    # one graph per (tree bucket, context block) and per kind of compiled decoder (the target's, a drafter's), all of
+    # them entries of CompiledDecoder._step's one code object: far more than dynamo's default of 8 (past the limit it
+    # would fall back to eager, silently)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
+    name = backend if isinstance(backend, str) else "inductor"
+    cuda_graphs = name == "inductor" and device.type == "cuda"
+    return torch.compile(fn, dynamic=False, backend=name, mode="reduce-overhead" if cuda_graphs else None)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's counter): a run counts those built in its
+    timed turns."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class CompiledDecoder:
+    """One decoder (an HF base model: layers and final norm, no LM head) compiled for tree forwards on its static
+    caches. `new_cache` hands out the cache the graphs are built on: one, reused across generations, replaced by a
+    larger one only when a generation needs more (its graphs are then built anew)."""
+
+    def __init__(self, decoder: nn.Module, config, device: torch.device, backend: bool | str):
+        self._decoder = weakref.ref(decoder)  # (weak: CompiledDecoders keys on the decoder, and a value must not keep it)
+        self.config, self.device = config, device
+        self.step = torch_compile(self._step, device, backend)
+        self._cache: StaticCache | None = None
+        self.warned = False  # a forward of more rows than the largest bucket was logged
+
+    @property
+    def capacity(self) -> int:
+        """Positions the static cache in use holds (0 before the first)."""
+        return 0 if self._cache is None else self._cache.capacity
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self._decoder()
+
+    def new_cache(self, capacity: int | None = None) -> StaticCache:
+        """A cleared static cache for `capacity` positions (rounded up to STATIC_BLOCK, room for a padded tree)."""
+        need = (capacity or 1024) + max(BUCKETS)
+        if self._cache is None or self._cache.capacity < need:
+            self._cache = StaticCache(self.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device, runner=self)
+        self._cache.reset()
+        return self._cache
+
+    def _step(self, ids: torch.Tensor | None, embeds: torch.Tensor | None, pos: torch.Tensor, mask: torch.Tensor,
+              cache: StaticCache, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What is compiled: static shapes (ids [B, Q] or embeds [B, Q, H] with Q a bucket, mask [B, 1, Q, width]),
+        the cache written at its device-side offset, nothing read on the host."""
+        out = self.decoder(input_ids=ids, inputs_embeds=embeds, past_key_values=cache, position_ids=pos,
+                           attention_mask=mask, use_cache=True, output_hidden_states=bool(layers))
+        picked = torch.cat([out.hidden_states[i] for i in layers], -1) if layers else None
+        return out.last_hidden_state, picked
+
+    def forward(self, cache: StaticCache, input_ids: torch.Tensor | None = None,  # [B, Q]
+                inputs_embeds: torch.Tensor | None = None,  # [B, Q, H]
+                position_ids: torch.Tensor | None = None,  # [B, Q]
+                attention_mask: torch.Tensor | None = None,  # [B, 1, Q, cached+Q] additive, or None = causal
+                layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (last hidden state [B, Q, H], the `layers`' hidden states concatenated [B, Q, k*H] or None)."""
+        if cache.runner is not self:
+            raise SpecbenchError("model.compile: a static cache runs on the decoder whose graphs were built on it")
+        x = input_ids if input_ids is not None else inputs_embeds
+        b, q = x.shape[:2]
+        dtype = next(self.decoder.parameters()).dtype
+        n = cache.get_seq_length()
+        if position_ids is None:
+            position_ids = torch.arange(n, n + q, device=x.device)[None].expand(b, -1)
+        if attention_mask is None:  # causal: the prefix and the rows up to itself (a chain's tree mask)
+            chain = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+            attention_mask = tree_attention_mask(chain, n, dtype)
+        pad = next((k for k in BUCKETS if k >= q), None) if n > 0 else None  # a prefill (n = 0) is not compiled
+        if pad is None and n > 0 and not self.warned:  # a tree past the largest bucket: said, not hidden
+            self.warned = True
+            log.warning("model.compile: a forward of %d rows (more than %d) runs eagerly", q, max(BUCKETS))
+        rows = q if pad is None else pad
+        width = cache.begin(rows, STATIC_BLOCK)
+        mask = attention_mask.new_full((b, 1, rows, width), torch.finfo(attention_mask.dtype).min)
+        mask[:, :, :q, : n + q] = attention_mask
+        # inputs copied into fresh [B, rows] tensors: a graph guards on strides, and a caller's slice of its tokens has
+        # the strides of the whole sequence
+        xs, pos = x.new_zeros(b, rows, *x.shape[2:]), position_ids.new_empty(b, rows)
+        xs[:, :q], pos[:, :q] = x, position_ids
+        x = xs
+        if rows > q:
+            mask[:, :, q:, 0] = 0.0
+            pos[:, q:] = position_ids[:, :1]
+        ids, embeds = (x, None) if input_ids is not None else (None, x)
+        step = self._step if pad is None else self.step
+        hidden, picked = step(ids, embeds, pos, mask, cache, tuple(layers))
+        cache.advance(q)
+        return hidden[:, :q], None if picked is None else picked[:, :q]
+
+
+class CompiledDecoders:
+    """model.compile's compiled drafter decoders, one per decoder module (weakly keyed: a drafter gone, its static
+    cache goes; dynamo keeps its graphs, keyed by shapes, for the next drafter of the same shapes). Owned by the
+    TargetModel, which hands their caches out (drafter_cache)."""
+
+    def __init__(self, device: torch.device, backend: bool | str):
+        self.device, self.backend = device, backend
+        self._by_module: weakref.WeakKeyDictionary[nn.Module, CompiledDecoder] = weakref.WeakKeyDictionary()
+
+    def cache(self, decoder: nn.Module, config, capacity: int) -> StaticCache:
+        runner = self._by_module.get(decoder)
+        if runner is None:
+            runner = self._by_module[decoder] = CompiledDecoder(decoder, config, self.device, self.backend)
+        return runner.new_cache(capacity)
+
+
+def decode(decoder: nn.Module, cache, **inputs) -> torch.Tensor:
+    """A drafter's decoder forward -> last hidden state [B, Q, H]: on a static cache, through the compiled decoder
+    that built it; on any other cache (or none), the decoder's own forward, as always."""
+    if isinstance(cache, StaticCache):
+        if cache.runner is None or cache.runner.decoder is not decoder:
+            raise SpecbenchError("model.compile: this static cache belongs to another decoder")
+        return cache.runner.forward(cache, **inputs)[0]
+    return decoder(past_key_values=cache, use_cache=cache is not None, **inputs).last_hidden_state

@@ -1,0 +1,232 @@
+"""A preallocated KV cache (issue 30): a transformers `Cache` whose layers write keys and values in place into buffers
+sized once, instead of DynamicCache's torch.cat of the whole cache at every forward (a copy of every layer's keys and
+values per step).
+
+- `update` writes the new rows at the current length (a slice assignment) and returns views of the buffers up to the
+  new length: attention reads exactly what DynamicCache's would, so outputs are the same (tested token for token);
+- `crop` is a length change, compaction (specbench/decode/target.py compact_cache) an in-place copy of the accepted entries
+  through the same views;
+- a buffer grows (doubling, one copy) only when a forward would run past it: sized to the run's context, it never does.
+
+Rows of a batch share one length unless told otherwise: `set_row_lengths` makes them ragged (batched decoding, issue
+29), each row then writing at its own length into the same buffers, the views reaching the longest row (a row's
+entries past its own length are stale, hidden by the engine's per-row mask). No transformers code is forked or patched: the model calls `update`,
+`get_seq_length` and `get_mask_sizes` as it does on any Cache.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specbench.errors import SpecbenchError
+
+
+class PreallocatedLayer(CacheLayerMixin):
+    """One attention layer's K / V buffers [B, kv_heads, capacity, head_dim] and the length in use (per row, when the
+    rows are ragged)."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, capacity: int):
+        self.capacity = max(int(capacity), 1)
+        self.length = 0  # the longest row's
+        self.rows: list[int] | None = None  # per-row lengths when ragged (host ints: no device read), else None
+        self._k: torch.Tensor | None = None  # [B, kv_heads, capacity, head_dim]
+        self._v: torch.Tensor | None = None
+        super().__init__()  # (assigns keys / values = None: the setters below accept that)
+
+    # keys / values: views of the rows in use (what DynamicCache's layer holds), writable in place
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a preallocated layer's keys are written in place (update / its views), not assigned")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            raise AttributeError("a preallocated layer's values are written in place (update / its views), not assigned")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, dk = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        # zeros, not new_empty: ragged rows attend (masked) over columns another row wrote and this one never did, and
+        # uninitialised memory may hold a NaN that a mask's large negative cannot hide (NaN + x = NaN)
+        self._k = key_states.new_zeros(b, h, self.capacity, dk)
+        self._v = value_states.new_zeros(b, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+
+    def _grow(self, need: int) -> None:
+        """Past the buffers: reallocate at twice the need and copy the rows in use (never within a sized run)."""
+        self.capacity = 2 * need
+        k, v = self._k, self._v
+        self._k = k.new_zeros(*k.shape[:2], self.capacity, k.shape[-1])
+        self._v = v.new_zeros(*v.shape[:2], self.capacity, v.shape[-1])
+        self._k[:, :, : self.length] = k[:, :, : self.length]
+        self._v[:, :, : self.length] = v[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the Q new rows [B, kv_heads, Q, head_dim] at the current length; return K, V up to the new length."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.capacity:
+            self._grow(end)
+        if self.rows is None:
+            self._k[:, :, self.length : end] = key_states
+            self._v[:, :, self.length : end] = value_states
+        else:  # ragged: each row behind its own entries
+            for b, n in enumerate(self.rows):
+                self._k[b, :, n : n + q] = key_states[b]
+                self._v[b, :, n : n + q] = value_states[b]
+            self.rows = [n + q for n in self.rows]
+            end = max(self.rows)
+        self.length = end
+        return self.keys, self.values
+
+    def set_row_lengths(self, lengths: list[int]) -> None:
+        """Row b holds lengths[b] entries from now on (after a per-row compaction); equal lengths end raggedness."""
+        if self._k is not None and len(lengths) != self._k.shape[0]:
+            raise ValueError(f"{len(lengths)} row lengths for a batch of {self._k.shape[0]}")
+        self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
+        self.length = max(lengths, default=0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0  # (kv_length, kv_offset), as DynamicLayer: the rows in use + the query
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows past its capacity if it must (a model must not cut its context to it)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """transformers' convention: minus the number of entries to drop."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of entries to drop")
+        if self.rows is not None:
+            self.set_row_lengths([max(n + tokens_to_remove, 0) for n in self.rows])
+        else:
+            self.length = max(self.length + tokens_to_remove, 0)
+
+    def reset(self) -> None:
+        self.length, self.rows = 0, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self._k is not None:
+            self._k = self._k.index_select(0, beam_idx.to(self._k.device))
+            self._v = self._v.index_select(0, beam_idx.to(self._v.device))
+
+
+class PreallocatedCache(Cache):
+    """One PreallocatedLayer per decoder layer of `config`, each `capacity` positions (the run's context: prompt, new
+    tokens and the largest tree). Full-attention decoders only (Llama, Vicuna, SmolLM2, Qwen2 without sliding
+    windows): a config with other layer types is refused in one line."""
+
+    def __init__(self, config, capacity: int):
+        text = config.get_text_config(decoder=True)
+        kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if kinds != {"full_attention"} or getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window",
+                                                                                             True):
+            raise SpecbenchError(f"model.cache=preallocated holds full-attention layers only; {text.model_type} has "
+                             f"{', '.join(sorted(kinds))}{' with a sliding window' if kinds == {'full_attention'} else ''}")
+        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(text.num_hidden_layers)])
+
+    def set_row_lengths(self, lengths: list[int]) -> None:
+        """Ragged rows (batched decoding): row b holds lengths[b] entries in every layer."""
+        for layer in self.layers:
+            layer.set_row_lengths(lengths)
+
+    def row_lengths(self) -> list[int]:
+        """Entries per row (host ints)."""
+        layer = self.layers[0]
+        b = 0 if layer._k is None else layer._k.shape[0]
+        return list(layer.rows) if layer.rows is not None else [layer.length] * b
+
+    def keep_rows(self, index: torch.Tensor, lengths: list[int]) -> None:
+        """Only the batch rows `index` [R] stay (a finished row leaves the batch), holding `lengths` entries each."""
+        for layer in self.layers:
+            layer.reorder_cache(index)
+            layer.set_row_lengths(lengths)
+
+
+
+class StaticLayer(PreallocatedLayer):
+    """model.compile: one layer's buffers at a fixed capacity, which attention reads whole (a static shape for
+    torch.compile and CUDA graphs; the engine's mask hides the columns not in use). A forward writes its rows at the
+    device-side offset `pos` (set by TargetModel before each forward, shared by every layer), so a compiled graph never
+    reads the host's length; the host length (what `keys` / `values` views, crop and compaction use) is advanced by
+    TargetModel after the forward, for the rows that count (a padded tree's padding rows are written past it, stale)."""
+
+    def __init__(self, capacity: int, pos: torch.Tensor, width: list[int]):
+        super().__init__(capacity)
+        self.pos = pos  # [] long, on the device
+        self.width = width  # [w]: the columns attention reads this forward (a context block), shared by the layers
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        # buffers that live as long as the graphs: CUDA graphs may capture writes into them (mode reduce-overhead)
+        torch._dynamo.mark_static_address(self._k)
+        torch._dynamo.mark_static_address(self._v)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        idx = torch.arange(key_states.shape[-2], device=key_states.device) + self.pos
+        self._k.index_copy_(2, idx, key_states)
+        self._v.index_copy_(2, idx, value_states)
+        w = self.width[0]
+        return self._k[:, :, :w], self._v[:, :, :w]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.width[0], 0
+
+    def set_row_lengths(self, lengths: list[int]) -> None:
+        if len(set(lengths)) > 1:
+            raise SpecbenchError("model.compile decodes one row at a time (its cache has no ragged rows)")
+        super().set_row_lengths(lengths)
+
+
+class StaticCache(Cache):
+    """model.compile's cache: StaticLayer buffers of `capacity` positions for every decoder layer of `config`, kept by
+    the compiled decoder that runs on it (`runner`, specbench/decode/compiled.py: the target's or a drafter's) and reused
+    across generations (its graphs hold on to them)."""
+
+    def __init__(self, config, capacity: int, device: torch.device, runner=None):
+        PreallocatedCache(config, 1)  # the same refusal of sliding-window layers
+        text = config.get_text_config(decoder=True)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.capacity = capacity
+        self.width = [capacity]
+        self.runner = runner  # the CompiledDecoder whose graphs are built on these buffers
+        super().__init__(layers=[StaticLayer(capacity, self.pos, self.width) for _ in range(text.num_hidden_layers)])
+
+    def begin(self, rows: int, block: int | None = None) -> int:
+        """Where the next forward writes its `rows` rows: behind the entries in use; past the capacity is refused (the
+        engine sizes the capacity to the run: prompt, new tokens and the largest padded tree). Attention reads the
+        entries up to the end of their `block`-sized context block (all of the capacity without one): one graph per
+        block, not per length. Returns that width."""
+        n = self.get_seq_length()
+        if n + rows > self.capacity:
+            raise SpecbenchError(f"model.compile: {n + rows} positions exceed the static cache's {self.capacity}")
+        self.pos.fill_(n)
+        self.width[0] = self.capacity if block is None else min(self.capacity, block * -(-(n + rows) // block))
+        return self.width[0]
+
+    def advance(self, rows: int) -> None:
+        """The forward's first `rows` rows now count as cached."""
+        for layer in self.layers:
+            layer.length += rows
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()

@@ -1,0 +1,446 @@
+"""`make gpu-check` (`python -m specbench.gpu_check`): everything a lent GPU can tell about this engine, in one command.
+
+A GPU reaches this project rarely and briefly (a bare machine: torch and transformers, no hub), so this needs nothing
+downloaded: every target is built on the device from a Llama config with random weights.
+
+  1. lossless: a tiny fp32 target; every drafter config (conf/drafter/*.yaml, untrained modules of the right shape)
+     decodes the prompts eager and compiled (model.compile), tokens equal to the target's own greedy output; and one
+     T > 0 case: the first drafted step's token law against the target's exact one (a chi-square test);
+  2. per real shape (random bf16 Llama-2-7B and Llama-3-8B, GQA; `--shapes`), one prompt of `--prompt` tokens and
+     `--new` new tokens:
+     - ms per token: the HBM floor (the weight bytes at the bandwidth measured by a device copy), bare F.linear over
+       every weight matrix, our baseline eager (dynamic and preallocated caches) and compiled, transformers' generate
+       eager and with its static cache compiled;
+     - verify ms against tree size (chains of 1..128 nodes), eager and compiled;
+     - each drafter at its paper tree (an untrained head: the tree is grown in full whatever is accepted): draft /
+       verify / other ms per step, eager and compiled, and the predicted speedup at the tau Spec-Bench publishes for
+       the method (conf/experiment/specbench_board.yaml) beside its published speedup;
+     - first pass against repeat: each eager drafter's steps timed on its first pass over the prompt and again after
+       (the order-dependence of cuDNN's per-shape plans; the SDPA backends are fixed, `--sdpa`, and recorded);
+     - the compiled baseline step's device time by kernel class (matmul, attention, norms and elementwise, copies)
+       and the idle gap between kernels (torch.profiler).
+  Writes results/gpu_check/<device>/gpu_check.json (versions, device, commit) and gpu_check.md.
+
+  python -m specbench.gpu_check                       # on a GPU: both shapes, every drafter (under 8 minutes on an H100)
+  python -m specbench.gpu_check --cpu-form            # reduced shapes on the CPU (what `make test` runs)
+
+On a machine with no registry, bring the pinned pure-Python wheels (README "The GPU path"): transformers, tokenizers,
+huggingface-hub, safetensors, hydra-core, omegaconf, antlr4-python3-runtime, PyYAML; torch is the machine's.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from specbench.core import envinfo
+from specbench.core.cli import CONF_DIR
+from specbench.core.models import SDPA_BACKENDS, sdpa_context
+from specbench.core.records import atomic_write_json, atomic_write_text
+from specbench.decode.drafter import Drafter, NoDrafter
+from specbench.decode.engine import Engine, Generation, sync
+from specbench.decode.target import TargetModel
+from specbench.decode.types import SamplingParams
+
+# Llama configs of the real targets (their public config.json), and the reduced ones the CPU form runs
+SHAPES = {
+    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0, max_position_embeddings=4096),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+}
+CPU_SHAPES = {
+    "llama2-7b": dict(SHAPES["llama2-7b"], hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, vocab_size=512),
+    "llama3-8b": dict(SHAPES["llama3-8b"], hidden_size=128, intermediate_size=448, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, vocab_size=512),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, rope_theta=10000.0, max_position_embeddings=2048)
+TINY_PROMPTS = [[5, 17, 33, 17, 33, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [60, 61, 60, 61, 60]]
+TREE_SIZES = (1, 4, 8, 16, 32, 60, 64, 128)
+KERNEL_CLASSES = (  # (class, substrings of a kernel's or op's name), the first that matches
+    ("matmul", ("gemm", "cutlass", "matmul", "mm_", "addmm", "linear", "sm90", "sm80", "cublas", "nvjet")),
+    ("attention", ("attention", "attn", "fmha", "flash", "sdpa", "softmax")),
+    ("copies", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter", "clone", "fill")),
+    ("norms and elementwise", ("norm", "elementwise", "vectorized", "reduce", "triton", "mul", "add", "rsqrt", "silu",
+                               "pow", "mean", "neg", "cos", "sin", "exp", "where", "unrolled")),
+)
+
+
+@dataclass
+class Check:
+    """What the run found, as data: the record and the markdown are written from it."""
+
+    header: dict
+    lossless: dict = field(default_factory=dict)  # "<drafter> eager|compiled" -> "ok" or what differed
+    law: dict = field(default_factory=dict)  # the T > 0 test
+    shapes: dict = field(default_factory=dict)  # per shape: its tables
+
+
+def random_llama(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A Llama of `shape` with random weights, built on `device` (seconds for a 7B on a GPU); no EOS, so every
+    decode runs to its budget."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval().requires_grad_(False)
+
+
+def drafter_names() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "drafter").glob("*.yaml") if p.stem != "none")
+
+
+def make_drafter(name: str, target: TargetModel) -> Drafter:
+    """A drafter config as composed by Hydra, untrained (the shape of its module, not the embedded target's weights),
+    at its paper tree; a tree sized from trained heads' accuracies (Medusa's `auto`) is a fixed 7-node one."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from specbench.bench.run import inference_spec
+    from specbench.core.config import register_schema
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        node = compose(config_name="config", overrides=[f"drafter={name}"]).drafter
+    spec = inference_spec(node)
+    if "checkpoint" in spec:
+        spec["checkpoint"] = None
+    if spec.get("tree") == "auto":
+        spec["tree"] = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+    torch.manual_seed(0)
+    return instantiate(spec, target=target, _convert_="object")
+
+
+def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+# ---- 1. lossless on the device -----------------------------------------------------------------------------------
+def check_lossless(device: torch.device, names: list[str], new: int) -> dict:
+    model = random_llama(TINY, torch.float32, device, seed=1)
+    with torch.no_grad():  # peaked logits (as the conformance tests' tiny target): few near-ties
+        model.lm_head.weight.mul_(20.0)
+    refs = [hf_greedy(model, p, new) for p in TINY_PROMPTS]
+    found = {}
+    for compiled in (False, True):
+        target = TargetModel(model, None, device, "tiny", compile=compiled)
+        for name in names:
+            engine = Engine(target, make_drafter(name, target), SamplingParams())
+            bad = [i for i, (p, ref) in enumerate(zip(TINY_PROMPTS, refs)) if engine.generate(p, new).new_tokens != ref]
+            found[f"{name} {'compiled' if compiled else 'eager'}"] = "ok" if not bad else f"prompts {bad} differ"
+    return found
+
+
+def check_law(device: torch.device, name: str, samples: int, temperature: float = 1.0) -> dict:
+    """The token of the first verification step, given the prefill's token was the target's mode, against the
+    target's exact conditional law (Pearson chi-square over the tokens with expected count >= 5, the rest pooled)."""
+    model = random_llama(TINY, torch.float32, device, seed=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    target = TargetModel(model, None, device, "tiny")
+    params = SamplingParams(temperature=temperature)
+    engine = Engine(target, make_drafter(name, target), params)
+    prompt = TINY_PROMPTS[1]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt], device=device)).logits[0, -1]
+        mode = int(logits.argmax())
+        nxt = model(torch.tensor([prompt + [mode]], device=device)).logits[0, -1].float()
+    exact = torch.softmax(nxt / temperature, -1).cpu()
+    counts = torch.zeros_like(exact)
+    gen = torch.Generator(device=device).manual_seed(0)
+    kept = 0
+    for _ in range(samples):
+        out = engine.generate(prompt, 2, generator=gen).new_tokens
+        if out[0] == mode:
+            counts[out[1]] += 1
+            kept += 1
+    expected = exact * kept
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    df = max(1, len(exp) - 1)
+    p = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0)))
+    return {"drafter": name, "temperature": temperature, "samples": samples, "conditioned": kept, "chi2": chi2,
+            "df": df, "p_value": p, "ok": p > 1e-3}
+
+
+# ---- 2. real shapes ------------------------------------------------------------------------------------------------
+def timed(fn, devs, repeats: int) -> float:
+    """Best wall seconds of `fn` over repeats, synchronised before and after."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync(devs)
+        t0 = time.perf_counter()
+        fn()
+        sync(devs)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bandwidth_gbs(device: torch.device, nbytes: int = 1 << 28) -> float:
+    """Device memory bandwidth from a copy of `nbytes` (read + write), best of 5."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    s = timed(lambda: b.copy_(a), (device,), 5)
+    return 2 * nbytes / s / 1e9
+
+
+def per_token_ms(gen: Generation) -> float:
+    return 1e3 * (gen.wall_s - gen.prefill_s) / max(1, len(gen.new_tokens) - 1)
+
+
+def step_ms(gen: Generation) -> dict:
+    steps = max(1, gen.steps)
+    other = gen.wall_s - gen.prefill_s - gen.draft_s - gen.verify_s
+    return {"draft": 1e3 * gen.draft_s / steps, "verify": 1e3 * gen.verify_s / steps, "other": 1e3 * other / steps,
+            "tau": gen.tau, "steps": gen.steps}
+
+
+def hf_generate_ms(model, prompt: torch.Tensor, new: int, static: bool, devs, repeats: int) -> float:
+    """transformers' own generate, greedy: eager with its dynamic cache, or with its static cache, which its generate
+    compiles itself (auto-compile on CUDA; forced on other devices); ms per token past the first."""
+    from transformers import CompileConfig
+
+    kw = dict(do_sample=False)
+    if static:
+        config = CompileConfig()
+        config._compile_all_devices = not prompt.is_cuda  # (on CUDA transformers compiles a static cache's forward)
+        kw |= {"cache_implementation": "static", "compile_config": config}
+    model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kw)  # warm-up (and the graphs)
+    one = timed(lambda: model.generate(prompt, max_new_tokens=1, **kw), devs, repeats)
+    whole = timed(lambda: model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kw), devs, repeats)
+    return 1e3 * (whole - one) / (new - 1)
+
+
+def verify_ms(target: TargetModel, prompt: list[int], sizes, repeats: int) -> dict[int, float]:
+    """One verification forward over a chain of n nodes after the prompt (ms, best of repeats)."""
+    from specbench.decode.tree import ancestor_matrix
+
+    dev = target.device
+    ids = torch.tensor([prompt], device=dev)
+    out = {}
+    for n in sizes:
+        cache = target.new_cache(len(prompt) + n + 1)
+        target.prefill(ids, cache)
+        parents = torch.arange(-1, n - 1, device=dev)
+        anc = ancestor_matrix(parents)
+        nodes = torch.randint(0, target.vocab_size, (1, n), device=dev)
+        root = ids[:, -1:]
+
+        def once():
+            target.verify(root, nodes, anc, cache, causal=True)
+            cache.crop(len(prompt))
+
+        once()
+        out[n] = 1e3 * timed(once, target.devices, repeats)
+    return out
+
+
+def kernel_profile(engine: Engine, prompt: list[int], new: int) -> dict:
+    """The compiled baseline's decode of `new` tokens under torch.profiler: device (CPU: operator self) time per kernel
+    class, and the idle gap (wall minus busy) per token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = engine.target.device
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        gen = engine.generate(prompt, new)
+    wall_us = 1e6 * (gen.wall_s - gen.prefill_s)
+    classes = {c: 0.0 for c, _ in KERNEL_CLASSES} | {"other": 0.0}
+    for evt in prof.key_averages():
+        us = evt.self_device_time_total if dev.type == "cuda" else evt.self_cpu_time_total
+        if us <= 0 or (dev.type != "cuda" and not evt.key.startswith("aten::")):
+            continue
+        name = evt.key.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+        classes[cls] += us
+    tokens = max(1, len(gen.new_tokens) - 1)
+    busy = sum(classes.values())
+    return {"ms_per_token": {k: v / 1e3 / tokens for k, v in classes.items()},
+            "idle_ms_per_token": max(0.0, wall_us - busy) / 1e3 / tokens, "wall_ms_per_token": wall_us / 1e3 / tokens}
+
+
+def published_board() -> dict[str, dict]:
+    """Spec-Bench's published A100 tau and overall speedup per method of ours (conf/experiment/specbench_board.yaml)."""
+    spec = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "experiment" / "specbench_board.yaml"))["report"]["board"]
+    rows, ours = spec["published"]["rows"], spec["ours"]
+    return {ours[k]: {"tau": float(v[-2]), "speedup": float(str(v[-1]).rstrip("x")), "source": spec["published"]["source"]}
+            for k, v in rows.items() if k in ours}
+
+
+def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtype, names: list[str],
+                prompt_len: int, new: int, repeats: int, tree_sizes=TREE_SIZES) -> dict:
+    model = random_llama(shape, dtype, device)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, shape["vocab_size"], (prompt_len,), generator=g).tolist()
+    base = TargetModel(model, None, device, label)
+    devs = base.devices
+    from specbench.tools.limit import bare_ms, weight_matrices
+
+    wbytes = sum(w.numel() * w.element_size() for w in weight_matrices(base))
+    bw = bandwidth_gbs(device)
+    row = {"weight_bytes": wbytes, "bandwidth_gbs": bw, "ms_per_token": {"HBM floor": 1e3 * wbytes / (bw * 1e9),
+                                                                          "bare F.linear": bare_ms(base, repeats)}}
+    targets = {"eager, dynamic cache": base,
+               "eager, preallocated cache": TargetModel(model, None, device, label, cache="preallocated"),
+               "compiled": TargetModel(model, None, device, label, compile=True)}
+    for path, target in targets.items():
+        engine = Engine(target, NoDrafter(), SamplingParams())
+        engine.generate(prompt, new)  # warm: kernels, plans, graphs
+        row["ms_per_token"][f"ours, {path}"] = min(per_token_ms(engine.generate(prompt, new)) for _ in range(repeats))
+    ids = torch.tensor([prompt], device=device)
+    for static in (False, True):
+        row["ms_per_token"][f"transformers generate, {'static cache compiled' if static else 'eager'}"] = \
+            hf_generate_ms(model, ids, new, static, devs, repeats)
+    row["verify_ms"] = {k: verify_ms(targets[k], prompt, tree_sizes, repeats)
+                        for k in ("eager, dynamic cache", "compiled")}
+    row["profile_compiled"] = kernel_profile(Engine(targets["compiled"], NoDrafter(), SamplingParams()), prompt,
+                                             min(new, 32))
+    board = published_board()
+    base_ms = {"eager": row["ms_per_token"]["ours, eager, dynamic cache"], "compiled": row["ms_per_token"]["ours, compiled"]}
+    drafters, first = {}, {}
+    for name in names:
+        for mode, target in (("eager", targets["eager, dynamic cache"]), ("compiled", targets["compiled"])):
+            engine = Engine(target, make_drafter(name, target), SamplingParams())
+            engine.generate(prompt, 16)  # the drafter's first-call set-up
+            cold = engine.generate(prompt, new)
+            warm = min((engine.generate(prompt, new) for _ in range(repeats)), key=lambda g: g.wall_s)
+            cost = step_ms(warm)
+            pub = board.get(name)
+            if pub:  # tau tokens a step, at this step's cost: against the same path's baseline
+                cost["predicted_speedup"] = pub["tau"] * base_ms[mode] / (cost["draft"] + cost["verify"] + cost["other"])
+                cost["published_tau"], cost["published_speedup"] = pub["tau"], pub["speedup"]
+            drafters[f"{name} {mode}"] = cost
+            if mode == "eager":
+                c = step_ms(cold)
+                first[name] = {"first": c, "repeat": cost, "ratio": (c["draft"] + c["verify"]) /
+                               max(1e-9, cost["draft"] + cost["verify"])}
+    row["drafters"], row["first_pass"] = drafters, first
+    del targets, base, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+# ---- the record ----------------------------------------------------------------------------------------------------
+def markdown(check: Check) -> str:
+    h = check.header
+    out = [f"# make gpu-check: {h['device_name']} ({h['dtype']}), commit {h['git'].get('commit', '?')[:7]}", "",
+           f"torch {h['versions'].get('torch')}, transformers {h['versions'].get('transformers')}; SDPA backends "
+           f"{h['sdpa']}; {h['command']}", "", "## Lossless (tiny fp32 target, greedy)", ""]
+    bad = {k: v for k, v in check.lossless.items() if v != "ok"}
+    out.append(f"{len(check.lossless) - len(bad)} of {len(check.lossless)} drafter x path runs equal the target's "
+               "greedy output" + ("" if not bad else ": " + "; ".join(f"{k}: {v}" for k, v in sorted(bad.items()))))
+    law = check.law
+    if law:
+        out += ["", f"T = {law['temperature']} law ({law['drafter']}, {law['conditioned']} of {law['samples']} samples "
+                    f"conditioned): chi2 {law['chi2']:.1f} on {law['df']} df, p = {law['p_value']:.3g} "
+                    f"({'ok' if law['ok'] else 'REJECTED'})"]
+    for label, row in check.shapes.items():
+        out += ["", f"## {label} (random weights, {row['weight_bytes'] / 1e9:.2f} GB of weight matrices, measured "
+                    f"bandwidth {row['bandwidth_gbs']:.0f} GB/s)", "", "| path | ms per token |", "|---|---|"]
+        out += [f"| {k} | {v:.2f} |" for k, v in row["ms_per_token"].items()]
+        sizes = list(next(iter(row["verify_ms"].values())))
+        out += ["", "| verify ms, chain of n | " + " | ".join(map(str, sizes)) + " |", "|---|" + "---|" * len(sizes)]
+        out += [f"| {k} | " + " | ".join(f"{v[n]:.2f}" for n in sizes) + " |" for k, v in row["verify_ms"].items()]
+        out += ["", "| drafter, path | draft ms | verify ms | other ms | published τ | predicted | published |",
+                "|---|---|---|---|---|---|---|"]
+        for k, c in row["drafters"].items():
+            pred = f"{c['predicted_speedup']:.2f}x" if "predicted_speedup" in c else "–"
+            out.append(f"| {k} | {c['draft']:.2f} | {c['verify']:.2f} | {c['other']:.2f} | "
+                       f"{c.get('published_tau', '–')} | {pred} | "
+                       f"{(str(c['published_speedup']) + 'x') if 'published_speedup' in c else '–'} |")
+        out += ["", "| drafter (eager) | first pass draft / verify ms | repeat | first / repeat |", "|---|---|---|---|"]
+        out += [f"| {k} | {v['first']['draft']:.2f} / {v['first']['verify']:.2f} | {v['repeat']['draft']:.2f} / "
+                f"{v['repeat']['verify']:.2f} | {v['ratio']:.2f} |" for k, v in row["first_pass"].items()]
+        prof = row["profile_compiled"]
+        out += ["", f"Compiled baseline step by kernel class (ms per token, wall {prof['wall_ms_per_token']:.2f}): "
+                + ", ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_token"].items())
+                + f", idle {prof['idle_ms_per_token']:.2f}"]
+    return "\n".join(out) + "\n"
+
+
+def run(args) -> Check:
+    device = torch.device("cpu" if args.cpu_form else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu-check: no CUDA device here (--cpu-form runs the reduced check on the CPU)")
+    dtype = torch.float32 if args.cpu_form else torch.bfloat16
+    names = args.drafters.split(",") if args.drafters else drafter_names()
+    shapes = CPU_SHAPES if args.cpu_form else SHAPES
+    header = {"command": "python -m specbench.gpu_check " + " ".join(args.argv), "git": envinfo.git_commit(),
+              "date": envinfo.now_utc(), "versions": envinfo.versions(), "device": envinfo.device_info(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else envinfo.cpu_name(),
+              "dtype": str(dtype).removeprefix("torch."), "sdpa": args.sdpa, "drafters": names}
+    check = Check(header)
+    with sdpa_context(args.sdpa, device), torch.inference_mode():
+        t0 = time.perf_counter()
+        check.lossless = check_lossless(device, names, args.tiny_new)
+        check.law = check_law(device, args.law_drafter, args.law_samples)
+        print(f"lossless + law: {time.perf_counter() - t0:.0f} s", flush=True)
+        for label in args.shapes.split(","):
+            t0 = time.perf_counter()
+            check.shapes[label] = check_shape(label, shapes[label], device, dtype, names, args.prompt, args.new,
+                                              args.repeats, tuple(int(n) for n in args.tree_sizes.split(",")))
+            print(f"{label}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return check
+
+
+def write(check: Check, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "gpu_check.json", {"header": check.header, "lossless": check.lossless, "law": check.law,
+                                               "shapes": check.shapes})
+    atomic_write_text(out / "gpu_check.md", markdown(check))
+    return out
+
+
+def parse(argv: list[str] | None = None):
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m specbench.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--cpu-form", action="store_true", help="reduced shapes on the CPU (make test's form)")
+    p.add_argument("--shapes", default="llama2-7b,llama3-8b")
+    p.add_argument("--drafters", default="", help="comma-separated (default: every conf/drafter config)")
+    p.add_argument("--prompt", type=int, default=100, help="prompt tokens of the timed decodes")
+    p.add_argument("--new", type=int, default=128, help="new tokens of the timed decodes")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tree-sizes", default=",".join(map(str, TREE_SIZES)), help="verify timings: chain lengths")
+    p.add_argument("--tiny-new", type=int, default=40, help="new tokens of the lossless decodes")
+    p.add_argument("--law-drafter", default="eagle2")
+    p.add_argument("--law-samples", type=int, default=2000)
+    p.add_argument("--sdpa", choices=sorted(SDPA_BACKENDS), default="no-cudnn",
+                   help="SDPA backends allowed (no-cudnn: cuDNN's per-shape plans make eager timings order-dependent)")
+    p.add_argument("--out", default=None, help="default: results/gpu_check/<device>")
+    args = p.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse(argv)
+    check = run(args)
+    name = check.header["device_name"].replace(" ", "_").replace("/", "_")
+    out = write(check, Path(args.out) if args.out else envinfo.REPO / "results" / "gpu_check" / name)
+    print(markdown(check))
+    print(f"written: {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""`make gpu-check` in its CPU form (reduced shapes): every part runs and the record says what it found, so the GPU
+command cannot rot between GPU loans."""
+import json
+
+import pytest
+
+from specbench.tools.gpu_check import SHAPES, main, published_board
+
+
+def test_the_published_taus_are_spec_benchs_board():
+    board = published_board()
+    assert board["eagle2"]["tau"] == 4.34 and board["eagle2"]["speedup"] == 2.36
+    assert board["medusa"]["tau"] == 2.31 and board["pld"]["tau"] == 1.75 and "hass" not in board
+    assert SHAPES["llama3-8b"]["num_key_value_heads"] == 8 and SHAPES["llama2-7b"]["intermediate_size"] == 11008
+
+
+@pytest.mark.slow
+def test_the_cpu_form_runs_every_part_and_writes_its_record(tmp_path):
+    out = main(["--cpu-form", "--shapes", "llama3-8b", "--drafters", "pld,eagle2", "--prompt", "12", "--new", "8",
+                "--repeats", "1", "--tree-sizes", "1,4", "--tiny-new", "12", "--law-samples", "150",
+                "--out", str(tmp_path)])
+    rec = json.loads((out / "gpu_check.json").read_text())
+    assert rec["lossless"] == {f"{d} {p}": "ok" for d in ("pld", "eagle2") for p in ("eager", "compiled")}
+    assert rec["law"]["ok"] and rec["law"]["conditioned"] >= 50 and rec["law"]["drafter"] == "eagle2"
+    row = rec["shapes"]["llama3-8b"]
+    assert set(row["ms_per_token"]) == {"HBM floor", "bare F.linear", "ours, eager, dynamic cache",
+                                        "ours, eager, preallocated cache", "ours, compiled",
+                                        "transformers generate, eager", "transformers generate, static cache compiled"}
+    assert all(v > 0 for v in row["ms_per_token"].values())
+    assert set(row["verify_ms"]["compiled"]) == {"1", "4"}
+    assert set(row["drafters"]) == {f"{d} {p}" for d in ("pld", "eagle2") for p in ("eager", "compiled")}
+    e2 = row["drafters"]["eagle2 compiled"]
+    assert e2["published_tau"] == 4.34 and e2["predicted_speedup"] > 0 and e2["steps"] >= 1
+    assert set(row["first_pass"]) == {"pld", "eagle2"} and row["first_pass"]["eagle2"]["ratio"] > 0
+    prof = row["profile_compiled"]
+    assert prof["ms_per_token"]["matmul"] > 0 and prof["wall_ms_per_token"] > 0
+    assert rec["header"]["sdpa"] == "no-cudnn" and rec["header"]["git"]
+    md = (out / "gpu_check.md").read_text()
+    assert "## llama3-8b" in md and "4 of 4 drafter x path runs equal" in md and "| eagle2 compiled |" in md
