@@ -312,7 +312,9 @@ class MoADrafter(TrainableDrafter):
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:
-        return {k: v for k, v in options.items() if k not in cls.TRAINING_ONLY}
+        """The shaping options; options recorded before `widths` existed (checkpoints and runs before 2026-11-27)
+        were derived by Table 6's ratios, so they rebuild at those."""
+        return {"widths": "table6", **{k: v for k, v in options.items() if k not in cls.TRAINING_ONLY}}
 
     @classmethod
     def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:

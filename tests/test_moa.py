@@ -183,3 +183,14 @@ def test_tli_drafting_without_the_targets_cache_is_the_authors_and_lossless():
     assert engine_greedy(target, theirs, prompt, 24) == hf_greedy(target.model, prompt, 24)
     with pytest.raises(Exception, match="tli_context='cache'"):
         MoADrafter(target, net=net, module={"tli_context": "cache"})
+
+
+def test_options_recorded_before_the_width_sets_rebuild_at_table_6():
+    """Checkpoints (and run records) from before `widths` existed were shaped by Table 6's ratios."""
+    from drafters.moa import resolve_widths
+
+    old = {"tli": 1, "sa_mlp": 72, "ca_mlp": 1008, "lsa_mlp": 1152, "lsa_kv_heads": None, "ca_kv_heads": None,
+           "sa_kv_heads": 1, "lsa_head_dim": 64, "staircase": True}
+    opts = MoADrafter.options(MoADrafter.decoding_options(old))
+    assert opts.widths == "table6" and resolve_widths(opts, 576, 9, 3, 384, 6)["ca_kv_heads"] == 3
+    assert MoADrafter.options(MoADrafter.decoding_options({**old, "widths": "code"})).widths == "code"

@@ -126,7 +126,7 @@ def train_overrides(tmp_path, sharegpt_file, **extra) -> list[str]:
             "train.max_len": 96, "train.epochs": 2, "train.batch_size": 2, "train.val_new_tokens": 8,
             "train.val_depth": 3, "train.val_positions": 3, "train.features_dir": tmp_path / "features",
             "train.out_dir": tmp_path / "ckpt", "train.log_every": 1, "train.warmup_steps": 2, "train.lr": 1e-3,
-            "train.answers": "dataset"}
+            "train.answers": "dataset", "train.answers_from": tmp_path / "shipped" / "answers.jsonl"}
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 
@@ -502,6 +502,22 @@ def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file, mo
     stored, _ = prepare_features(trainer.target, trainer.tc, trainer.model_cfg, True, 0)
     assert len(stored.load(*stored.index()[0], kv=True)["kv"]) > 0  # K/V stored beside the same answers
     assert len(list((tmp_path / "features").rglob("answers.jsonl"))) == 1
+    # the finished answers were shipped beside the weights (train.answers_from): another machine of the same target
+    # and budget (here: another features cache) starts from them and generates nothing
+    shipped = tmp_path / "shipped" / "answers.jsonl"
+    assert shipped.read_text() == answers[0].read_text()
+    desc = json.loads(shipped.with_suffix(".json").read_text())
+    assert desc["rows"] == 10 and desc["answer_tokens"] == 16 and desc["target_fingerprint"]
+    other = Trainer(make_cfg("drafter=sd", *over, f"train.features_dir={tmp_path / 'features2'}"))
+    monkeypatch.setattr(other.target.model, "generate", no_answers)
+    prepare_features(other.target, other.tc, other.model_cfg, False, 0)
+    assert (next((tmp_path / "features2").rglob("answers.jsonl")).read_text() == shipped.read_text())
+    # shipped for other answer settings: not used (the answers are generated)
+    longer = Trainer(make_cfg("drafter=sd", *over, f"train.features_dir={tmp_path / 'features3'}",
+                              "train.answer_tokens=12"))
+    with pytest.raises(AssertionError, match="generated again"):
+        monkeypatch.setattr(longer.target.model, "generate", no_answers)
+        prepare_features(longer.target, longer.tc, longer.model_cfg, False, 0)
     with pytest.raises(SpecbenchError, match="train.answers='bogus' is not one of dataset, target"):
         Trainer(make_cfg("drafter=sd", *train_overrides(tmp_path, sharegpt_file, **{"train.answers": "bogus"}))).run()
 

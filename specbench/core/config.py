@@ -93,6 +93,9 @@ class TrainConfig:
     answers: str = "dataset"
     answer_tokens: int = 256
     answer_batch_size: int = 16  # conversations per batched generation
+    # a shipped copy of these answers (JSONL + its .json description) to start from when it was made for the same target
+    # and answer settings, and to write once they are all generated (conf/train/embedded.yaml: beside the weights)
+    answers_from: str | None = None
     epochs: int = 2
     batch_size: int = 2  # per process
     lr: float = 3e-4

@@ -103,3 +103,40 @@ def target_answers(target: TargetModel, convs: list[Conversation | None], system
             f.flush()
             bar.update(len(group))
     return [done[i] for i in range(len(convs)) if i in done]
+
+
+def shipped_meta(path: Path) -> Path:
+    """The description beside a shipped answers file: answers.jsonl -> answers.json."""
+    return path.with_suffix(".json")
+
+
+def seed_answers(shipped: Path, dst: Path, meta: dict, convs: list) -> int:
+    """Start `dst` (a budget's answers cache, absent) from a shipped copy made for the same target and budget: its
+    description must equal `meta` in every key `meta` has (the target's exact fingerprint, the data and the answer
+    settings), and each row's conversation must be the budget's at that index. Rows that do not fit are left out
+    (generated as usual). -> rows seeded (0: nothing shipped, or shipped for something else)."""
+    if dst.exists() or not shipped.is_file() or not shipped_meta(shipped).is_file():
+        return 0
+    desc = json.loads(shipped_meta(shipped).read_text())
+    if any(desc.get(k) != v for k, v in meta.items()):
+        return 0
+    rows = {i: e for i, e in read_done(shipped).items() if i < len(convs) and convs[i].conv_id == e.conv_id}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.write_text("".join(row_json(i, e) for i, e in sorted(rows.items())), encoding="utf-8")
+    tmp.rename(dst)
+    return len(rows)
+
+
+def ship_answers(src: Path, out: Path, meta: dict) -> Path | None:
+    """A finished answers cache copied to `out` (the model's weights folder), with its description, for the next
+    machine to seed from: nothing when `out` exists already (a shipped copy is never overwritten)."""
+    if out.exists():
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = read_done(src)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text("".join(row_json(i, e) for i, e in sorted(rows.items())), encoding="utf-8")
+    shipped_meta(out).write_text(json.dumps({**meta, "rows": len(rows)}, indent=1, sort_keys=True) + "\n")
+    tmp.rename(out)
+    return out

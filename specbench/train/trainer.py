@@ -46,13 +46,13 @@ from specbench.train.features import FeatureSet, extract, online_kv, online_laye
 from specbench.core.metrics import PeakMemory
 from specbench.core.models import chat_prompt_ids, load_model
 from specbench.core.cli import CONF_DIR, cli, fail
-from specbench.train.selfdistill import read_done, target_answers
+from specbench.train.selfdistill import read_done, seed_answers, ship_answers, target_answers
 from specbench.decode.target import TargetModel, kv_per_token
 from specbench.decode.drafter import NoDrafter
 from specbench.decode.types import SamplingParams
 
 log = logging.getLogger("specbench.train")
-RESUME_FREE = {"resume", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype", "dist_timeout_min",
+RESUME_FREE = {"resume", "answers_from", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype", "dist_timeout_min",
                "kv_features", "loader_workers", "features_shard", "save_every_min"}  # (kv_features: the same values, tested: test_online_kv_equals_stored)  # may change on resume
 OPTIM_KEYS = {"lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_clip_mode", "noise", "noise_scale"}
 
@@ -155,6 +155,13 @@ def features_root(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig,
     return Path(os.path.expanduser(cfg.features_dir)) / f"{model_cfg.name}-{dtype}-{target_fingerprint(target)}" / tag
 
 
+def answers_meta(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig) -> dict:
+    """What a budget's self-distilled answers depend on: the target's exact weights and the answer settings."""
+    return {"target_fingerprint": target_fingerprint(target), "data": cfg.data_path, "conversations": cfg.conversations,
+            "max_len": cfg.max_len, "answer_tokens": cfg.answer_tokens, "answer_batch_size": cfg.answer_batch_size,
+            "system": model_cfg.system_prompt}
+
+
 def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, root: Path, rank: int = 0,
                            world: int = 1) -> tuple[list[Encoded], list]:
     """The budget's training conversations encoded (input ids, answer mask), and its held-out ones (not encoded).
@@ -168,9 +175,16 @@ def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: Mod
     # shared out: rank r answers conversations i = r mod world into its own file (resumable); all read every file.
     # (On rank 0 alone the others waited at the barrier for hours and NCCL's watchdog ended the job.)
     answers = root / ("answers.jsonl" if world == 1 else f"answers.rank{rank}of{world}.jsonl")
+    shipped = Path(cfg.answers_from).expanduser() if cfg.answers_from and world == 1 else None
+    meta = answers_meta(target, cfg, model_cfg)
+    if shipped is not None and (seeded := seed_answers(shipped, answers, meta, train_convs)):
+        log.info("%d of %d answers from %s (the same target and budget)", seeded, len(train_convs), shipped)
     mine = [c if i % world == rank else None for i, c in enumerate(train_convs)]
     target_answers(target, mine, model_cfg.system_prompt, cfg.max_len, cfg.answer_tokens, cfg.answer_batch_size,
                    answers)
+    if shipped is not None and ship_answers(answers, shipped, meta | {"git": envinfo.git_commit(),
+                                                                      "date": envinfo.now_utc()}):
+        log.info("wrote %s: this budget's answers, which the next machine's training starts from", shipped)
     if world > 1:
         dist.barrier()
     files = [answers] if world == 1 else [root / f"answers.rank{r}of{world}.jsonl" for r in range(world)]
