@@ -640,3 +640,14 @@ def test_a_restart_starts_a_fresh_optimiser_and_schedule(make_cfg, tmp_path, sha
     lr = {r["step"]: r["lr"] for r in rows}  # the lr the step ran with (logged after it)
     assert lr[first + 1] == pytest.approx(1e-3 / 2) and lr[first] < 1e-3 / 2
     assert all(("top1" in r) == (r["step"] > first) for r in rows)
+
+
+def test_the_shipped_answers_are_looked_for_beside_the_models_weights(make_cfg, tmp_path, sharegpt_file):
+    """conf/train/embedded.yaml's answers_from names the model (an interpolation into another group): it resolves
+    in the trainer's config and in the vocabulary tool's alike."""
+    from specbench.core.config import TrainConfig, to_dataclass
+
+    over = [o for o in train_overrides(tmp_path, sharegpt_file) if not o.startswith("train.answers_from")]
+    cfg = make_cfg("drafter=sd", *over)
+    assert Trainer(cfg).tc.answers_from.endswith("/tiny/answers.jsonl")
+    assert to_dataclass(TrainConfig, cfg.train).answers_from == Trainer(cfg).tc.answers_from

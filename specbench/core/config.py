@@ -204,7 +204,10 @@ def register_schema() -> None:
 
 
 def to_dataclass(cls: type, node: DictConfig | dict[str, Any]) -> Any:
-    """Validate a config node against a dataclass schema (raises on unknown keys / wrong types)."""
+    """Validate a config node against a dataclass schema (raises on unknown keys / wrong types). A node of a larger
+    config is resolved there first: its interpolations may name other groups (train.answers_from: ${model.name})."""
+    if isinstance(node, DictConfig):
+        node = OmegaConf.to_container(node, resolve=True)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
 
 

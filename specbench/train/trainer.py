@@ -398,7 +398,8 @@ class Trainer:
         unknown = set(optim) - OPTIM_KEYS
         if unknown:
             raise SpecbenchError(f"drafter.optim may set only {', '.join(sorted(OPTIM_KEYS))}; not {', '.join(sorted(unknown))}")
-        self.tc: TrainConfig = to_dataclass(TrainConfig, OmegaConf.merge(cfg.train, optim))
+        self.tc: TrainConfig = to_dataclass(TrainConfig, OmegaConf.merge(OmegaConf.to_container(cfg.train, resolve=True),
+                                                                      optim))
         lr_at(0, self.tc, 1)  # a bad lr_schedule fails here, before features or training
         if self.tc.grad_clip_mode not in ("value", "norm"):
             raise SpecbenchError(f"train.grad_clip_mode={self.tc.grad_clip_mode!r} is not one of value, norm")
