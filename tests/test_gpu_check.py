@@ -21,7 +21,7 @@ def test_the_cpu_form_runs_every_part_and_writes_its_record(tmp_path):
                 "--out", str(tmp_path)])
     rec = json.loads((out / "gpu_check.json").read_text())
     assert rec["lossless"] == {f"{d} {p}": "ok" for d in ("pld", "eagle2") for p in ("eager", "compiled")}
-    assert rec["law"]["ok"] and rec["law"]["conditioned"] >= 50 and rec["law"]["drafter"] == "eagle2"
+    assert rec["law"]["ok"] and rec["law"]["df"] >= 3 and rec["law"]["drafter"] == "eagle2"
     row = rec["shapes"]["llama3-8b"]
     assert set(row["ms_per_token"]) == {"HBM floor", "bare F.linear", "ours, eager, dynamic cache",
                                         "ours, eager, preallocated cache", "ours, compiled",

@@ -145,38 +145,35 @@ def check_lossless(device: torch.device, names: list[str], new: int) -> dict:
 
 
 def check_law(device: torch.device, name: str, samples: int, temperature: float = 1.0) -> dict:
-    """The token of the first verification step, given the prefill's token was the target's mode, against the
-    target's exact conditional law (Pearson chi-square over the tokens with expected count >= 5, the rest pooled)."""
+    """The token of the first verification step (the second new token) against its exact marginal law under the
+    target, sum over t1 of p(t1) p(t2 | t1) (one batched forward over every t1): a Pearson chi-square over the
+    tokens of expected count >= 5, the rest pooled in one cell."""
     model = random_llama(TINY, torch.float32, device, seed=1)
     with torch.no_grad():
-        model.lm_head.weight.mul_(3.0)
+        model.lm_head.weight.mul_(8.0)  # a peaked law: few tokens carry the mass, so the cells fill
     target = TargetModel(model, None, device, "tiny")
-    params = SamplingParams(temperature=temperature)
-    engine = Engine(target, make_drafter(name, target), params)
+    engine = Engine(target, make_drafter(name, target), SamplingParams(temperature=temperature))
     prompt = TINY_PROMPTS[1]
     with torch.no_grad():
-        logits = model(torch.tensor([prompt], device=device)).logits[0, -1]
-        mode = int(logits.argmax())
-        nxt = model(torch.tensor([prompt + [mode]], device=device)).logits[0, -1].float()
-    exact = torch.softmax(nxt / temperature, -1).cpu()
-    counts = torch.zeros_like(exact)
+        vocab = model.config.vocab_size
+        p1 = torch.softmax(model(torch.tensor([prompt], device=device)).logits[0, -1].float() / temperature, -1)
+        ids = torch.cat([torch.tensor([prompt], device=device).expand(vocab, -1),
+                         torch.arange(vocab, device=device)[:, None]], 1)
+        p2 = torch.softmax(model(ids).logits[:, -1].float() / temperature, -1)  # [t1, t2]
+        exact = (p1[:, None] * p2).sum(0).cpu()
     gen = torch.Generator(device=device).manual_seed(0)
-    kept = 0
-    for _ in range(samples):
-        out = engine.generate(prompt, 2, generator=gen).new_tokens
-        if out[0] == mode:
-            counts[out[1]] += 1
-            kept += 1
-    expected = exact * kept
+    seconds = [engine.generate(prompt, 2, generator=gen).new_tokens[1] for _ in range(samples)]
+    counts = torch.bincount(torch.tensor(seconds), minlength=vocab).float()
+    expected = exact * samples
     big = expected >= 5
     obs = torch.cat([counts[big], counts[~big].sum()[None]])
     exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    chi2 = float(((obs - exp) ** 2 / exp).sum())
-    df = max(1, len(exp) - 1)
-    p = float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(chi2 / 2.0)))
-    return {"drafter": name, "temperature": temperature, "samples": samples, "conditioned": kept, "chi2": chi2,
-            "df": df, "p_value": p, "ok": p > 1e-3}
+    keep = exp > 0
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    p = float(torch.special.gammaincc(torch.tensor(max(df, 1) / 2.0), torch.tensor(chi2 / 2.0)))
+    return {"drafter": name, "temperature": temperature, "samples": samples, "chi2": chi2, "df": df, "p_value": p,
+            "ok": df > 0 and p > 1e-3}
 
 
 # ---- 2. real shapes ------------------------------------------------------------------------------------------------
@@ -229,26 +226,26 @@ def hf_generate_ms(model, prompt: torch.Tensor, new: int, static: bool, devs, re
 
 
 def verify_ms(target: TargetModel, prompt: list[int], sizes, repeats: int) -> dict[int, float]:
-    """One verification forward over a chain of n nodes after the prompt (ms, best of repeats)."""
+    """One verification forward over a chain of n nodes after the prompt (ms, best of repeats; each repeat on a
+    freshly prefilled cache, untimed)."""
     from specbench.decode.tree import ancestor_matrix
 
     dev = target.device
     ids = torch.tensor([prompt], device=dev)
     out = {}
     for n in sizes:
-        cache = target.new_cache(len(prompt) + n + 1)
-        target.prefill(ids, cache)
-        parents = torch.arange(-1, n - 1, device=dev)
-        anc = ancestor_matrix(parents)
+        anc = ancestor_matrix(torch.arange(-1, n - 1, device=dev))
         nodes = torch.randint(0, target.vocab_size, (1, n), device=dev)
-        root = ids[:, -1:]
-
-        def once():
-            target.verify(root, nodes, anc, cache, causal=True)
-            cache.crop(len(prompt))
-
-        once()
-        out[n] = 1e3 * timed(once, target.devices, repeats)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first builds what a first forward of this size builds
+            cache = target.new_cache(len(prompt) + n + 1)
+            target.prefill(ids[:, :-1], cache)
+            sync(target.devices)
+            t0 = time.perf_counter()
+            target.verify(ids[:, -1:], nodes, anc, cache, causal=True)
+            sync(target.devices)
+            best = min(best, time.perf_counter() - t0)
+        out[n] = 1e3 * best
     return out
 
 
@@ -278,7 +275,8 @@ def kernel_profile(engine: Engine, prompt: list[int], new: int) -> dict:
 
 def published_board() -> dict[str, dict]:
     """Spec-Bench's published A100 tau and overall speedup per method of ours (conf/experiment/specbench_board.yaml)."""
-    spec = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "experiment" / "specbench_board.yaml"))["report"]["board"]
+    tables = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "experiment" / "specbench_board.yaml"))["report"]["tables"]
+    spec = next(t for t in tables if t.get("kind") == "board")
     rows, ours = spec["published"]["rows"], spec["ours"]
     return {ours[k]: {"tau": float(v[-2]), "speedup": float(str(v[-1]).rstrip("x")), "source": spec["published"]["source"]}
             for k, v in rows.items() if k in ours}
@@ -349,8 +347,8 @@ def markdown(check: Check) -> str:
                "greedy output" + ("" if not bad else ": " + "; ".join(f"{k}: {v}" for k, v in sorted(bad.items()))))
     law = check.law
     if law:
-        out += ["", f"T = {law['temperature']} law ({law['drafter']}, {law['conditioned']} of {law['samples']} samples "
-                    f"conditioned): chi2 {law['chi2']:.1f} on {law['df']} df, p = {law['p_value']:.3g} "
+        out += ["", f"T = {law['temperature']} law of the first drafted step's token ({law['drafter']}, {law['samples']} "
+                    f"samples): chi2 {law['chi2']:.1f} on {law['df']} df, p = {law['p_value']:.3g} "
                     f"({'ok' if law['ok'] else 'REJECTED'})"]
     for label, row in check.shapes.items():
         out += ["", f"## {label} (random weights, {row['weight_bytes'] / 1e9:.2f} GB of weight matrices, measured "
