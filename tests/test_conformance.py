@@ -5,15 +5,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 
 from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter
-from specbench.core.config import register_schema
 from specbench.decode.engine import Engine
-from specbench.bench.run import inference_spec
 from specbench.decode.target import TargetModel, cache_kv
 from specbench.decode.types import SamplingParams, TargetState
+from specbench.tools import gpu_check
 from tests.helpers import RandomTreeDrafter, engine_greedy, hf_greedy, tiny_llama
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "drafter"
@@ -24,16 +21,7 @@ PROMPTS = [[5, 17, 33, 17, 33, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [
 def make_drafter(name: str, target: TargetModel, *overrides: str) -> Drafter:
     """The config as composed by Hydra (with `overrides`), except trained weights: those belong to the embedded
     target, these targets are tiny (an untrained module of the same shape goes through the same code)."""
-    register_schema()
-    with initialize_config_dir(config_dir=str(CONF.parent), version_base="1.3"):
-        node = compose(config_name="config", overrides=[f"drafter={name}", *overrides]).drafter
-    spec = inference_spec(node)
-    if "checkpoint" in spec:
-        spec["checkpoint"] = None
-    if spec.get("tree") == "auto":  # a tree built from the trained heads' measured accuracies: untrained, a fixed one
-        spec["tree"] = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
-    torch.manual_seed(0)  # untrained modules: every instance gets the same initial weights
-    return instantiate(spec, target=target, _convert_="object")
+    return gpu_check.make_drafter(name, target, *overrides)
 
 
 def target_for(eos: int | None = None, seed: int = 0) -> TargetModel:

@@ -101,9 +101,10 @@ def drafter_names() -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / "drafter").glob("*.yaml") if p.stem != "none")
 
 
-def make_drafter(name: str, target: TargetModel) -> Drafter:
-    """A drafter config as composed by Hydra, untrained (the shape of its module, not the embedded target's weights),
-    at its paper tree; a tree sized from trained heads' accuracies (Medusa's `auto`) is a fixed 7-node one."""
+def make_drafter(name: str, target: TargetModel, *overrides: str) -> Drafter:
+    """A drafter config as composed by Hydra (with `overrides`), untrained (the shape of its module, not the embedded
+    target's weights), at its paper tree; a tree sized from trained heads' accuracies (Medusa's `auto`) is a fixed
+    7-node one. The conformance tests build their drafters with it too."""
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
@@ -112,7 +113,7 @@ def make_drafter(name: str, target: TargetModel) -> Drafter:
 
     register_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        node = compose(config_name="config", overrides=[f"drafter={name}"]).drafter
+        node = compose(config_name="config", overrides=[f"drafter={name}", *overrides]).drafter
     spec = inference_spec(node)
     if "checkpoint" in spec:
         spec["checkpoint"] = None
