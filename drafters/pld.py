@@ -14,17 +14,31 @@ from specbench.decode.drafter import Drafter, OwnTree, chain_paths
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
-def lookup(tokens: torch.Tensor, max_ngram: int, min_ngram: int, num_pred: int, prefer: str = "first") -> torch.Tensor:
-    """tokens [T] -> the continuation of an earlier occurrence of the trailing n-gram, [<= num_pred] (maybe empty)."""
-    length = tokens.shape[0]
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+def lookup_rows(tokens: torch.Tensor, lengths: torch.Tensor, max_ngram: int, min_ngram: int, num_pred: int,
+                prefer: str = "first") -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's lookup at once, in tensor ops: row b's context is tokens[b, :lengths[b]] ([B, T] right-padded,
+    lengths [B] on the device) -> (start [B], count [B]): the continuation tokens[b, start : start + count] of an
+    earlier occurrence of the row's trailing n-gram (count 0: none), n from max_ngram down, the first (or last)
+    occurrence whose continuation starts inside the context."""
+    b, t = tokens.shape
+    dev = tokens.device
+    start = torch.zeros(b, dtype=torch.long, device=dev)
+    have = torch.zeros(b, dtype=torch.bool, device=dev)
+    for n in range(min(max_ngram, t - 1), min_ngram - 1, -1):
+        query = tokens.gather(1, (lengths[:, None] - n + torch.arange(n, device=dev)).clamp(min=0))  # [B, n]
+        windows = tokens.unfold(1, n, 1)  # [B, T-n+1, n]: the window starting at s
+        s = torch.arange(windows.shape[1], device=dev)
         # windows starting at 0 .. length-n-1: every earlier n-gram whose continuation starts inside the context
-        windows = tokens[: length - 1].unfold(0, n, 1)  # [length - n, n]
-        hits = (windows == tokens[-n:]).all(dim=1).nonzero().flatten()
-        if hits.numel():
-            start = int(hits[0 if prefer == "first" else -1]) + n
-            return tokens[start : start + num_pred]
-    return tokens[:0]
+        hit = (windows == query[:, None, :]).all(-1) & (s[None, :] + n <= lengths[:, None] - 1)  # [B, S]
+        if prefer == "first":
+            at = torch.where(hit, s, windows.shape[1]).min(-1).values
+        else:
+            at = torch.where(hit, s, -1).max(-1).values
+        found = hit.any(-1) & ~have & (lengths > n)
+        start = torch.where(found, at + n, start)
+        have = have | found
+    count = torch.where(have, (lengths - start).clamp(min=0, max=num_pred), 0)
+    return start, count
 
 
 class PromptLookup(Drafter):
@@ -44,12 +58,37 @@ class PromptLookup(Drafter):
         return OwnTree({"kind": "static", "name": f"prompt lookup, up to {n} tokens", "paths": chain_paths(n)},
                        lambda s, cut: {**s, "num_pred_tokens": len(cut["paths"])})
 
+    batched = True  # every row's lookup in one set of tensor ops, one host read of the draft lengths per step
+
     def prefill(self, state: TargetState) -> None:
         pass
 
     def propose(self, state: TargetState) -> DraftTree:
-        draft = lookup(state.tokens[0], self.max_ngram, self.min_ngram, self.num_pred_tokens, self.prefer)
-        return DraftTree.chain(draft[None])
+        return self.propose_rows(state)
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         pass  # stateless: the context is re-read at every step
+
+    def prefill_rows(self, state: TargetState) -> None:
+        pass
+
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        lengths = state.num_tokens_rows()
+        start, count = lookup_rows(state.tokens, lengths, self.max_ngram, self.min_ngram, self.num_pred_tokens,
+                                   self.prefer)
+        sizes = count.tolist()  # the step's one read: how many tokens each row drafts
+        n = max(sizes)
+        cols = (start[:, None] + torch.arange(n, device=start.device)).clamp(max=state.tokens.shape[1] - 1)
+        tokens = state.tokens.gather(1, cols)  # [B, n]
+        if len(sizes) == 1:
+            return DraftTree.chain(tokens)
+        tree = DraftTree.chain(tokens)
+        tree.sizes, tree.valid = sizes, torch.arange(n, device=start.device)[None, :] < count[:, None]
+        tree.is_chain = len(set(sizes)) == 1
+        return tree
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        pass
+
+    def keep_rows(self, index: list[int]) -> None:
+        pass

@@ -123,9 +123,9 @@ def test_every_drafter_batched_stops_each_row_at_its_eos(name):
 @pytest.mark.parametrize("name", DRAFTER_CONFIGS)
 def test_one_engine_read_per_step(name):
     """The engine reads the whole batch's trees and outcomes with one transfer per step (rows leaving the batch cost
-    one copy of the remaining rows' index to the device); each row's drafter reads what it reads decoding that row
-    alone (its per-step reads bounded in tests/test_roundtrips.py), so the drafters' reads grow with B only where a
-    drafter reads per row at batch 1 too (pld, coral_router)."""
+    one copy of their index to the device); a batched drafter (every row in one call) reads at most once a step; a
+    drafter driven row by row (PerRow) reads what it reads decoding each row alone (its per-step reads bounded in
+    tests/test_roundtrips.py), so its reads grow with B where it reads at batch 1 (coral_router)."""
     t = target_for()
     engine = Engine(t, make_drafter(name, t), SamplingParams())
     engine.generate_batch(PROMPTS, 20)
@@ -137,8 +137,10 @@ def test_one_engine_read_per_step(name):
     drafters_reads = engine.drafter.rt.total
     engine_reads = whole.total - prefill_only.total - drafters_reads
     left = sum(1 for a, b in zip(g.active, g.active[1:]) if b < a)  # steps after which rows left
-    # + 1: the rows' cache lengths, copied to the device once (a prefill-only batch has no rows left to decode)
-    assert engine_reads == g.steps + left + 1, (name, g.steps, left, whole.counts)
+    assert engine_reads == g.steps + left, (name, g.steps, left, whole.counts)
+    if inner.batched:  # every row drafted at once: at most its one read a step, whatever B
+        assert drafters_reads <= g.steps, (name, drafters_reads, g.steps)
+        return
     alone = 0
     for prompt in PROMPTS:
         engine.drafter = CountedDrafter(inner)
@@ -174,14 +176,15 @@ def test_compact_rows_keeps_each_rows_accepted_entries():
         lay.update(kv[i][0][:, :, 4:8], kv[i][1][:, :, 4:8])
     assert layer.rows == [8, 6]
     # row 0 (root at 4) keeps nodes 1, 2 (entries 6, 7 -> 5, 6); row 1 (root at 2) keeps node 0 (entry 3: in place)
-    compact_rows(cache, [5, 3], [torch.tensor([1, 2]), torch.tensor([0])], [False, True])
+    compact_rows(cache, torch.tensor([5, 3]), torch.tensor([[1, 2, -1], [0, -1, -1]]), torch.tensor([2, 1]), [5, 3],
+                 [2, 1])
     assert cache.row_lengths() == [7, 4]
     for i, lay in enumerate(cache.layers):
         for got, want in ((lay.keys, kv[i][0]), (lay.values, kv[i][1])):
             assert torch.equal(got[0, :, 5:7], want[0, :, 6:8]) and torch.equal(got[1, :, 2:4], want[1, :, 4:6])
             assert torch.equal(got[0, :, :5], want[0, :, :5])  # the prefix and root untouched
-    cache.keep_rows(torch.tensor([1]), [4])  # row 0 left the batch
-    assert cache.row_lengths() == [4]
+    cache.leave(torch.tensor([1]), torch.tensor([0]), 1, [4])  # row 0 left the batch: row 1 takes its place
+    assert cache.row_lengths() == [4] and layer._k.shape[0] == 1
     for i, lay in enumerate(cache.layers):
         assert torch.equal(lay.keys[0, :, 2:4], kv[i][0][1, :, 4:6]) and torch.equal(lay.values[0, :, 2:4], kv[i][1][1, :, 4:6])
 
@@ -221,3 +224,75 @@ def test_a_batched_row_samples_what_it_samples_alone(name):
         rows = eng.generate_batch(prompts, 6, [torch.Generator().manual_seed(s) for s in seeds]).rows
         alone = [eng.generate(p, 6, torch.Generator().manual_seed(s)).new_tokens for p, s in zip(prompts, seeds)]
         assert [r.new_tokens for r in rows] == alone
+
+
+# ---- the rows protocol and the batched step pieces -------------------------------------------------------------------
+def test_swap_remove_moves_only_rows_above_the_new_size():
+    from specbench.decode.rows import swap_remove
+
+    assert swap_remove(5, {1}) == [0, 4, 2, 3]  # the last row takes the hole; the others stay
+    assert swap_remove(5, {1, 4}) == [0, 3, 2]
+    assert swap_remove(4, {2, 3}) == [0, 1]  # nothing moves
+    assert swap_remove(3, {0, 1, 2}) == []
+
+
+def test_ancestor_matrices_are_each_trees_own():
+    from specbench.decode.tree import ancestor_matrices
+
+    trees = [[-1, 0, 0, 1, 3], [-1, -1, 1, 2, -1], [-1, 0, 1, 2, 3]]
+    anc = ancestor_matrices(torch.tensor(trees))
+    for a, parents in zip(anc, trees):
+        assert torch.equal(a, ancestor_matrix(torch.tensor(parents)))
+
+
+def test_greedy_rows_with_padding_decide_as_each_row_alone():
+    """Rows padded to one node count (padding: children of the root, token 0, the target's choice there too) accept
+    what each row accepts alone: a padding node is never accepted nor counted as a rejected child."""
+    from specbench.decode.tree import ancestor_matrices
+    from specbench.decode.verify import greedy_accept, greedy_accept_rows
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        sizes = torch.randint(0, 6, (3,), generator=g).tolist()
+        n = max(sizes)
+        rows = []
+        for k in sizes:
+            parents = [int(torch.randint(-1, i, (1,), generator=g)) if i else -1 for i in range(k)]
+            tokens = torch.randint(0, 3, (k,), generator=g).tolist()
+            argmax = torch.randint(0, 3, (k + 1,), generator=g).tolist()
+            rows.append((tokens, parents, argmax))
+        tok = torch.tensor([t + [0] * (n - len(t)) for t, _, _ in rows])
+        par = torch.tensor([p + [-1] * (n - len(p)) for _, p, _ in rows])
+        am = torch.tensor([a + [0] * (n - len(a) + 1) for _, _, a in rows])
+        am[:, 0] = torch.where(torch.rand(3, generator=g) < 0.5, 0, am[:, 0])  # padding tokens often right too
+        valid = torch.arange(n)[None] < torch.tensor(sizes)[:, None]
+        acc = greedy_accept_rows(tok, par, ancestor_matrices(par), am, valid)
+        for r, (t, p, _) in enumerate(rows):
+            k = len(t)
+            alone = greedy_accept(torch.tensor(t, dtype=torch.long), torch.tensor(p, dtype=torch.long),
+                                  ancestor_matrix(torch.tensor(p, dtype=torch.long)), am[r, : k + 1])
+            length = int(acc.length[r])
+            assert length == int(alone.length)
+            assert acc.path[r, :length].tolist() == alone.path[:length].tolist()
+            assert int(acc.next_token[r]) == int(alone.next_token) and bool(acc.recovered[r]) == bool(alone.recovered)
+
+
+@pytest.mark.parametrize("name", ["none", "pld"])
+def test_a_batched_drafters_rows_are_each_rows_own_proposal(name):
+    """A drafter that drafts every row at once (batched = True) proposes for row r what it proposes for that row
+    alone: ragged rows, the padding past each row's length ignored."""
+    from specbench.decode.types import TargetState
+
+    t = target_for()
+    drafter = make_drafter(name, t)
+    assert drafter.batched
+    contexts = [[5, 17, 33, 17, 33, 9, 2, 17, 33], [1, 2, 3, 1, 2], [60, 61, 60, 61, 60, 7], [4, 4, 4, 4, 4, 4, 4, 4]]
+    width = max(len(c) for c in contexts)
+    tokens = torch.tensor([c + [c[-1]] * (width - len(c)) for c in contexts])
+    state = TargetState(tokens=tokens, hidden=None, kv=None, lengths=[len(c) for c in contexts],
+                        lengths_t=torch.tensor([len(c) for c in contexts]))
+    tree = drafter.propose_rows(state)
+    for r, c in enumerate(contexts):
+        alone = drafter.propose(TargetState(tokens=torch.tensor([c]), hidden=None, kv=None))
+        mine = tree.row(r)
+        assert mine.tokens.tolist() == alone.tokens.tolist() and mine.parents.tolist() == alone.parents.tolist()

@@ -52,16 +52,16 @@ def test_a_swapped_acceptance_in_a_real_run_is_a_mismatch(make_cfg, monkeypatch)
     from specbench.decode import engine as engine_mod
 
     Runner(make_cfg("drafter=none", "dataset.limit=1")).execute()
-    real, calls = engine_mod.greedy_accept, {"n": 0}
+    real, calls = engine_mod.greedy_accept_rows, {"n": 0}
 
-    def buggy(tokens, parents, anc, target_argmax):
-        acc = real(tokens, parents, anc, target_argmax)
+    def buggy(tokens, parents, anc, target_argmax, valid=None):
+        acc = real(tokens, parents, anc, target_argmax, valid)
         calls["n"] += 1
         if calls["n"] == 3:  # in the run only (the replay re-runs from the prompt, with calls > 3: correct again)
             return acc.__class__(acc.path, acc.length, (acc.next_token + 1) % 50, acc.recovered)
         return acc
 
-    monkeypatch.setattr(engine_mod, "greedy_accept", buggy)
+    monkeypatch.setattr(engine_mod, "greedy_accept_rows", buggy)
     run = Runner(make_cfg("drafter=pld", "dataset.limit=1")).execute()
     first = read_jsonl(run.records_path)[0]
     assert first["matches_baseline"] is False
@@ -107,16 +107,18 @@ def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(ma
 
     batch = ("decoding.batch_size=2",)
     base = Runner(make_cfg("drafter=none", *batch)).execute()
-    real, calls = engine_mod.greedy_accept, {"n": 0}
+    real, calls = engine_mod.greedy_accept_rows, {"n": 0}
 
-    def buggy(tokens, parents, anc, target_argmax):
-        acc = real(tokens, parents, anc, target_argmax)
+    def buggy(tokens, parents, anc, target_argmax, valid=None):
+        acc = real(tokens, parents, anc, target_argmax, valid)
         calls["n"] += 1
-        if calls["n"] == 4:  # step 2 of the first batch, its second row (the replays run later: correct again)
-            return acc.__class__(acc.path, acc.length, (acc.next_token + 1) % 50, acc.recovered)
+        if calls["n"] == 2:  # step 2 of the first batch, its second row (the replays run later: correct again)
+            wrong = acc.next_token.clone()
+            wrong[1] = (wrong[1] + 1) % 50
+            return acc.__class__(acc.path, acc.length, wrong, acc.recovered)
         return acc
 
-    monkeypatch.setattr(engine_mod, "greedy_accept", buggy)
+    monkeypatch.setattr(engine_mod, "greedy_accept_rows", buggy)
     run = Runner(make_cfg("drafter=pld", *batch)).execute()
     recs = read_jsonl(run.records_path)
     off = [r for r in recs if r["matches_baseline"] is False]
@@ -129,7 +131,7 @@ def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(ma
     assert d["baseline"]["token"] == d["drafter"]["token"] == theirs != off[0]["new_token_ids"][j]
     # an altered baseline record (as another dtype's rounding might leave it) at a batched turn: the baseline's own
     # replay does not reproduce it
-    monkeypatch.setattr(engine_mod, "greedy_accept", real)
+    monkeypatch.setattr(engine_mod, "greedy_accept_rows", real)
     rows = read_jsonl(base.records_path)
     rows[0]["new_token_ids"][3] = (rows[0]["new_token_ids"][3] + 1) % 50
     base.records_path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
@@ -152,10 +154,12 @@ def test_a_verification_that_emits_its_rows_runner_up_is_a_mismatch(make_cfg, mo
     bf16 = ("dataset.limit=1", "model.dtype=bfloat16")
     Runner(make_cfg("drafter=none", *bf16)).execute()
     runner = Runner(make_cfg("drafter=pld", *bf16))
-    real, state = runner.target.verify, {"swapped": None}
+    real, state = runner.target.forward, {"swapped": None}
 
     def swapped(*args, **kwargs):
         fwd = real(*args, **kwargs)
+        if "logits_rows" in kwargs:  # the prefill's forward, not a tree's
+            return fwd
         row = fwd.logits[0, 0].float()
         (l1, l2), top2 = row.topk(2).values.tolist(), row.topk(2).indices
         if state["swapped"] is not None or l1 - l2 > 8 * abs(l1) * torch.finfo(torch.bfloat16).eps:
@@ -165,7 +169,7 @@ def test_a_verification_that_emits_its_rows_runner_up_is_a_mismatch(make_cfg, mo
         logits[0, 0, top2] = logits[0, 0, top2.flip(0)]
         return dataclasses.replace(fwd, logits=logits)
 
-    monkeypatch.setattr(runner.target, "verify", swapped)
+    monkeypatch.setattr(runner.target, "forward", swapped)
     run = runner.execute()
     assert state["swapped"] is not None  # the bug fired, at a close pair
     first = read_jsonl(run.records_path)[0]

@@ -7,6 +7,11 @@ Lifecycle per generation (one prompt turn):
         ...engine verifies...
         drafter.on_verified(result, state)  # roll back / extend the drafter's own cache
 
+The engine drives every batch, batch 1 included, through the rows protocol: `prefill_rows`, `propose_rows` (one
+DraftTree for all live rows, padded to one node count), `on_verified_rows` and `keep_rows` (finished rows leave). A
+drafter that implements it (`batched = True`) drafts for all rows at once; any other is driven through `PerRow`, one
+fork per row, proposing row after row (the methods not yet batched).
+
 A drafter declares in `needs` which target outputs it reads from TargetState ("hidden": last hidden states,
 "kv": the target's per-layer key/values, "layers": the inputs of the target layers it lists in `hidden_layers`,
 EAGLE-3's low/middle/high features). It never calls the target or touches the target's cache; reading the
@@ -49,6 +54,26 @@ class Drafter(ABC):
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         """Observe what was kept: state.tokens now ends with the accepted tokens and the bonus/recovered token."""
 
+    #: implements the rows protocol below itself (all live rows of a batch in one call); else the engine wraps it in
+    #: PerRow
+    batched: ClassVar[bool] = False
+
+    def prefill_rows(self, state: TargetState) -> None:
+        """Start a generation for every row of `state` (ragged rows: state.lengths, state.fresh)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
+
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        """Every live row's tree, [A, N] padded (DraftTree.sizes / valid)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        """Observe every live row's outcome (results[r] for row r of state)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
+
+    def keep_rows(self, index: list[int]) -> None:
+        """Rows left the batch: new row r is old row index[r] (specbench/decode/rows.py)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
+
     def fork(self) -> "Drafter":
         """A drafter for another row of a batch (Engine.generate_batch): the same weights and options, its own
         per-generation state. A shallow copy: every drafter sets that state afresh in prefill()."""
@@ -62,6 +87,39 @@ class Drafter(ABC):
         through ${tree}; the baseline drafts nothing)."""
         del spec
         return None
+
+
+class PerRow:
+    """The rows protocol over a drafter that drafts one row at a time: a fork per row (Drafter.fork), each proposing
+    for its row alone, their trees stacked into one padded DraftTree. What every drafter not yet batched runs
+    through; at batch 1 it is the drafter itself, its tree unpadded."""
+
+    batched = True
+
+    def __init__(self, drafter: "Drafter", rows: int):
+        self.drafters = [drafter] + [drafter.fork() for _ in range(rows - 1)]
+
+    def prefill_rows(self, state: TargetState) -> None:
+        for r, d in enumerate(self.drafters):
+            d.prefill(state.row(r))
+
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        return DraftTree.stack([d.propose(state.row(r)) for r, d in enumerate(self.drafters)])
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        for r, (d, result) in enumerate(zip(self.drafters, results)):
+            mine = state.row(r)
+            result.hidden = mine.hidden
+            d.on_verified(result, mine)
+
+    def keep_rows(self, index: list[int]) -> None:
+        # a finished row's drafter (its own caches) goes now, not when the batch ends
+        self.drafters = [self.drafters[i] for i in index]
+
+
+def rows_protocol(drafter: "Drafter", rows: int):
+    """What the engine drives a batch of `rows` through: the drafter itself if it is batched, else PerRow over it."""
+    return drafter if getattr(drafter, "batched", False) else PerRow(drafter, rows)
 
 
 @dataclass
@@ -90,6 +148,15 @@ class NoDrafter(Drafter):
         return DraftTree.empty(state.tokens.shape[0], state.tokens.device)
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        pass
+
+    batched = True
+    prefill_rows, propose_rows = prefill, propose
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        pass
+
+    def keep_rows(self, index: list[int]) -> None:
         pass
 
 

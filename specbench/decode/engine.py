@@ -1,11 +1,15 @@
-"""The generation loop shared by every method (the baseline is this loop with NoDrafter).
+"""The generation loop shared by every method (the baseline is this loop with NoDrafter), one loop for every batch
+size: `generate` is `generate_batch` of one prompt.
 
-1. prefill the prompt on the target, take the first token (the root), hand the drafter what it needs;
-2. drafter proposes a DraftTree;
-3. one target forward over [root, nodes] with the tree mask and depth positions;
-4. acceptance (verify.py, on the device): greedy or recursive rejection sampling -> accepted path + bonus/recovered;
-5. one host transfer reads the tree and its outcome; compact the target cache to the accepted path, tell the drafter;
-   stop at EOS or max_new_tokens.
+1. prefill the prompts on the target, take each row's first token (the root), hand the drafter what it needs;
+2. the drafter proposes one DraftTree for all live rows ([A, N], padded to one node count);
+3. one target forward over every row's [root, nodes] with its tree mask and depth positions;
+4. acceptance (verify.py, on the device, all rows at once): greedy or recursive rejection sampling -> each row's
+   accepted path + bonus/recovered token;
+5. one host transfer reads the trees and their outcomes; compact the target cache to the accepted paths, tell the
+   drafter; a row stops at EOS or its max_new_tokens and leaves the batch (specbench/decode/rows.py).
+A batch of one keeps the target's own cache kind (model.cache, model.compile), a chain verified under the model's
+causal mask; a larger batch writes ragged rows into a preallocated cache under explicit per-row masks.
 Host round trips per step: the drafter's own (none per node for the tree drafters) plus that one transfer
 (tests/test_roundtrips.py bounds both).
 """
@@ -16,14 +20,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter
+from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, rows_protocol
 from specbench.errors import SpecbenchError
 from specbench.decode.sampling import logits_to_probs, sample
 from specbench.decode.kvcache import PreallocatedCache
-from specbench.decode.target import TargetModel, cache_kv, compact_cache, compact_rows, row_kv
-from specbench.decode.tree import ancestor_matrix, batch_tree_mask, is_chain, node_depths, padded_ancestors, tree_position_ids
+from specbench.decode.rows import Row, Rows
+from specbench.decode.target import TargetModel, cache_kv, compact_cache, compact_rows
+from specbench.decode.tree import ancestor_matrices, batch_tree_mask, is_chain, node_depths, tree_attention_mask
 from specbench.decode.types import DraftTree, SamplingParams, TargetState, VerifyResult
-from specbench.decode.verify import greedy_accept, rejection_accept
+from specbench.decode.verify import greedy_accept_rows, rejection_accept_rows
 
 
 def sync(device: torch.device | tuple[torch.device, ...]) -> None:
@@ -127,27 +132,30 @@ class Engine:
         """trace=True keeps every step's tree and accepted path (one more host read per step: calibration only)."""
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
 
-    def _state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, generator,
-               layers: torch.Tensor | None = None, capacity: int = 0) -> TargetState:
+    def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: list[int], cache, ragged: bool,
+               layers: torch.Tensor | None, capacity: int) -> TargetState:
+        """What the drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]),
+        the cache's K/V, the EAGLE-3 layers."""
         needs = self.drafter.needs
+        lengths = [p + 1 for p in rows.prefixes]
+        gens = tuple(r.generator for r in rows.live)
         return TargetState(
-            tokens=tokens,
+            tokens=rows.ids[:, : max(lengths)],
             hidden=hidden if HIDDEN in needs else None,
             kv=cache_kv(cache, self.target.device) if KV in needs else None,
             layers=layers if LAYERS in needs else None,
             sampling=self.sampling,
-            generator=generator,
+            generator=gens[0] if len(gens) == 1 else None,
             capacity=capacity,
+            lengths=lengths if ragged else None,
+            fresh=fresh if ragged else None,
+            generators=gens,
+            lengths_t=rows.lengths + 1,
         )
 
-    def _first_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
-        if self.sampling.greedy:
-            return int(logits.argmax(-1).item())
-        return int(sample(logits_to_probs(logits, self.sampling), generator).item())
-
-    def _count_step(self, gen: Generation, tree: DraftTree, emitted: list[int], parents: list[int], path: list[int],
-                    recovered: bool) -> None:
-        """One verification step's counters (the tokens themselves are appended by the caller)."""
+    def _count_step(self, gen: Generation, tree: DraftTree, row: int, emitted: list[int], parents: list[int],
+                    path: list[int], recovered: bool) -> None:
+        """One verification step's counters for one row (the tokens themselves are appended by the caller)."""
         gen.new_tokens.extend(emitted)
         gen.steps += 1
         gen.tokens_per_step.append(len(emitted))
@@ -155,277 +163,234 @@ class Engine:
         gen.recovered += int(recovered)
         gen.chain &= is_chain(parents)
         if self.trace:
-            priority = tree.priority[0].tolist() if tree.priority is not None else None
+            priority = tree.priority[row, : len(parents)].tolist() if tree.priority is not None else None
             gen.trace.append(StepTrace(parents, priority, path))
         _count_depths(gen, parents, path)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
                  context: int | None = None, capture_at: int | None = None) -> Generation:
-        """context: the target's positions; a drafted tree that would reach past them is not verified (the step
-        decodes one token, as the baseline does: lossless, and the drafter rolls its tree back as if every node were
-        rejected). With max_new_tokens <= context - prompt, every method then stops at the same token."""
-        target, drafter, dev = self.target, self.drafter, self.target.device
-        devs = target.devices  # every device the target computes on
-        eos = target.eos_token_ids
-        prompt = torch.tensor([prompt_ids], device=dev)  # [1, L]
-        sync(devs)
-        t0 = time.perf_counter()
-        # the positions this generation can reach: prompt, new tokens, and one tree past them before compaction
-        need = len(prompt_ids) + max_new_tokens + TREE_ROOM
-        cache = target.new_cache(min(need, context) if context else need)  # the context bounds it; it is not the need
-        layers = tuple(drafter.hidden_layers) if LAYERS in drafter.needs else ()  # EAGLE-3's low/middle/high
-        fwd = target.prefill(prompt, cache, layers=layers)
-        first = self._first_token(fwd.logits[0, -1], generator)
-        tokens = torch.cat([prompt, torch.tensor([[first]], device=dev)], dim=1)
-        out = [first]
-        # a drafter's own cache: the need, unclamped (a tree past the context is drafted before the engine drops it)
-        state = self._state(tokens, fwd.hidden, cache, generator, fwd.layers, need)
-        drafter.prefill(state)
-        sync(devs)
-        gen = Generation(new_tokens=out, prompt_tokens=len(prompt_ids), wall_s=0.0, prefill_s=time.perf_counter() - t0)
-        if capture_at == 0:
-            gen.captured = fwd.logits[0, -1].clone()
-        done = first in eos or max_new_tokens <= 1
-        if first in eos:
-            gen.stopped_by = "eos"
-        while not done:
-            td = time.perf_counter()
-            tree = drafter.propose(state)
-            sync(devs)
-            tv = time.perf_counter()
-            gen.draft_s += tv - td
-            prefix = cache.get_seq_length()
-            proposed = tree.num_nodes
-            if context is not None and prefix + 1 + proposed > context:  # root + nodes past the last position
-                tree = DraftTree.empty(device=dev)  # (the node count bounds the depth: no host read needed)
-            n = tree.num_nodes
-            node_tok, node_par = tree.tokens[0], tree.parents[0]  # [N], [N] on the device
-            anc = ancestor_matrix(node_par)  # [N+1, N+1]
-            fwd = target.verify(tokens[:, -1:], tree.tokens, anc, cache, causal=tree.is_chain, layers=layers)
-            logits = fwd.logits[0]  # [N+1, V]
-            if self.sampling.greedy:
-                acc = greedy_accept(node_tok, node_par, anc, logits.argmax(-1))
-            else:
-                q = tree.draft_probs[0] if tree.draft_probs is not None else None
-                acc = rejection_accept(node_tok, node_par, anc, logits_to_probs(logits, self.sampling), q, generator)
-            # the step's one host transfer: the tree and its outcome, for the bookkeeping below
-            host = torch.cat([node_tok, node_par, acc.path,
-                              torch.stack([acc.length, acc.next_token, acc.recovered.long()])]).tolist()
-            node_tokens, parents = host[:n], host[n : 2 * n]
-            length, next_token, recovered = host[3 * n :]
-            path = host[2 * n : 2 * n + length]
-            keep = acc.path[:length]  # [A] on the device
-            compact_cache(cache, prefix, keep, contiguous=path == list(range(length)))
-            sync(devs)
-            gen.verify_s += time.perf_counter() - tv
-            emitted, done = _emit(gen, [node_tokens[i] for i in path] + [next_token], eos, max_new_tokens)
-            if capture_at is not None and len(out) <= capture_at < len(out) + len(emitted):
-                # emitted token t was chosen at the row of its parent: the root (row 0), then accepted node path[t-1]
-                choosers = [0] + [i + 1 for i in path]
-                gen.captured = logits[choosers[capture_at - len(out)]].clone()
-            self._count_step(gen, tree, emitted, parents, path, bool(recovered))
-            if done:
-                break
-            rows = torch.cat([keep.new_zeros(1), keep + 1])  # root + accepted nodes are now in the target cache
-            new = torch.cat([node_tok[keep], acc.next_token[None]])  # [A+1] == emitted (not cut: not done)
-            tokens = torch.cat([tokens, new[None]], dim=1)
-            state = self._state(tokens, fwd.hidden[:, rows], cache, generator,
-                                None if fwd.layers is None else fwd.layers[:, rows], need)
-            result = VerifyResult(
-                accepted_nodes=path,
-                accepted_tokens=[node_tokens[i] for i in path],
-                next_token=next_token,
-                recovered=bool(recovered),
-                num_nodes=proposed,  # a dropped tree: every proposed node rejected, from the drafter's side
-                emitted=emitted,
-                hidden=state.hidden,
-            )
-            drafter.on_verified(result, state)
-        sync(devs)
-        gen.wall_s = time.perf_counter() - t0
-        return gen
+        """One prompt: generate_batch of one. context: the target's positions; a drafted tree that would reach past
+        them is not verified (the step decodes one token, as the baseline does: lossless, and the drafter rolls its
+        tree back as if every node were rejected). With max_new_tokens <= context - prompt, every method then stops at
+        the same token."""
+        out = self.generate_batch([prompt_ids], max_new_tokens, [generator], context,
+                                  None if capture_at is None else {0: capture_at})
+        return out.rows[0]
 
-    # ---- batched decoding (issue 29) ----------------------------------------------------------------------------
-    def _row_state(self, tokens: torch.Tensor, hidden: torch.Tensor | None, cache, row: int, length: int, generator,
-                   layers: torch.Tensor | None, capacity: int) -> TargetState:
-        """What the drafter of one batch row reads: its tokens [1, T], its rows of the step's hidden states and its
-        `length` entries of the ragged target cache (of `capacity` positions a row)."""
-        needs = self.drafter.needs
-        return TargetState(tokens=tokens, hidden=hidden if HIDDEN in needs else None,
-                           kv=row_kv(cache, row, length, self.target.device) if KV in needs else None,
-                           layers=layers if LAYERS in needs else None, sampling=self.sampling, generator=generator,
-                           capacity=capacity)
+    def _prefill(self, prompts: list[list[int]], cache, ragged: bool, layers: tuple[int, ...],
+                 generators: list[torch.Generator | None]):
+        """The prompts through the target -> (the prompts [A, L] (right-padded), the forward, each row's first token [A]
+        on the device, the logits that chose them [A, V], their host ints). Ragged prompts are right-padded under the causal mask (a real token never sees
+        the padding after it), each row's first token read at its own last position."""
+        target, dev = self.target, self.target.device
+        if not ragged:
+            ids = torch.tensor(prompts, device=dev)  # [1, L]
+            fwd = target.prefill(ids, cache, layers=layers)
+            logits = fwd.logits[:, -1]  # [1, V]
+        else:
+            lens = [len(p) for p in prompts]
+            width = max(lens)
+            ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [A, L]
+            fwd = target.forward(ids, cache, logits_rows=slice(0, 0), layers=layers)
+            last = torch.tensor([n - 1 for n in lens], device=dev)
+            logits = target.lm_head(fwd.hidden[torch.arange(len(prompts), device=dev), last]).float()  # [A, V]
+            cache.set_row_lengths(lens)
+        if self.sampling.greedy:
+            first = logits.argmax(-1)
+        else:
+            first = torch.cat([sample(logits_to_probs(logits[r], self.sampling), g)[None]
+                               for r, g in enumerate(generators)])
+        return ids, fwd, first, logits, first.tolist()
+
+    def _geometry(self, tree: DraftTree, rows: Rows, ragged: bool):
+        """The step's forward inputs for every live row: ids [A, Q] (root, then the nodes), positions [A, Q], the
+        additive mask (None: a lone row's chain, under the model's causal mask) and the ancestor matrices [A, Q, Q]."""
+        anc = ancestor_matrices(tree.parents)  # [A, Q, Q]
+        depth = anc.sum(-1)  # [A, Q] ancestors counting itself: the root 1, its children 2, ...
+        roots = rows.ids.gather(1, rows.lengths[:, None])  # [A, 1] the last verified token, at index prefix
+        ids = torch.cat([roots, tree.tokens], 1)
+        if not ragged:  # one row: its prefix is a host int, the cache's own length
+            prefix = rows.live[0].prefix
+            mask = None if tree.is_chain else tree_attention_mask(anc[0], prefix, self.target.dtype)
+            return ids, prefix - 1 + depth, mask, anc
+        q = anc.shape[-1]
+        mask = batch_tree_mask(anc, rows.lengths, max(rows.prefixes) + q, self.target.dtype)  # [A, 1, Q, W]
+        return ids, rows.lengths[:, None] - 1 + depth, mask, anc
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                        generators: list[torch.Generator | None] | None = None,
                        context: int | None = None, capture_at: dict[int, int] | None = None) -> BatchGeneration:
-        """B prompts decoded together: one prefill, then per step each row's drafter (its own instance,
-        Drafter.fork) proposes its tree, the trees are padded to one node count and verified in one target forward
-        (per-row tree masks and positions over a ragged preallocated cache), acceptance runs per row on the device
-        and one host read serves the whole batch. A finished row leaves the batch (its cache row is dropped): the
-        batch shrinks rather than refills, so every row of a batch of B is decoded beside the same prompts at every
-        B-sweep point (continuous batching would mix in prompts from later batches). At T=0 each row's output is
-        its prompt's greedy output (at this batch's numerics: a batched matmul may round differently from a lone
-        one); at T>0 each row samples with its own generator. `context` as in generate(). capture_at {row: k}: as
-        generate()'s, per row (the divergence replay of a batched turn, specbench/bench/divergence.py)."""
+        """B prompts decoded together: one prefill, then per step the drafter proposes every live row's tree (one
+        padded DraftTree), one target forward verifies all rows (per-row tree masks and positions over a ragged
+        preallocated cache when B > 1), acceptance runs for all rows on the device and one host read serves the whole
+        batch. A finished row leaves the batch (the last live row takes its cache row): the batch shrinks rather than
+        refills, so every row of a batch of B is decoded beside the same prompts at every B-sweep point (continuous
+        batching would mix in prompts from later batches). At T=0 each row's output is its prompt's greedy output (at
+        this batch's numerics: a batched matmul may round differently from a lone one); at T>0 each row samples with
+        its own generator. `context` as in generate(). capture_at {row: k}: the logits row that chose row's new token k
+        (the divergence replay, specbench/bench/divergence.py)."""
         target, dev, devs, eos = self.target, self.target.device, self.target.devices, self.target.eos_token_ids
-        if target.compiled is not None:  # (its drafters' forks would share one static cache)
-            raise SpecbenchError("model.compile=true decodes one prompt at a time (decoding.batch_size=1)")
         b = len(prompts)
         budgets = list(max_new_tokens) if isinstance(max_new_tokens, list) else [max_new_tokens] * b
         generators = list(generators) if generators is not None else [None] * b
         if not (len(budgets) == len(generators) == b) or b == 0:
             raise ValueError(f"{b} prompts, {len(budgets)} budgets and {len(generators)} generators")
-        drafters = [self.drafter] + [self.drafter.fork() for _ in range(b - 1)]
+        ragged = b > 1
+        if ragged and target.compiled is not None:  # (a static cache has one length for every row)
+            raise SpecbenchError("model.compile=true decodes one prompt at a time (decoding.batch_size=1)")
+        capture_at = capture_at or {}
         lens = [len(p) for p in prompts]
-        width = max(lens)
         sync(devs)
         t0 = time.perf_counter()
-        # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says
-        need = width + max(budgets) + TREE_ROOM
-        # Bounded by the context, plus room for one padded tree: every row writes the step's widest tree (padding
-        # included), so a row whose prefix is near the context still writes up to max tree nodes past it (generate()
-        # writes only its own tree, which the context check keeps inside). Without the room, the buffers would be
-        # reallocated at twice their size mid-turn, there only.
-        cache = PreallocatedCache(target.model.config, min(need, context + TREE_ROOM) if context else need)
-        capacity = need  # each row's drafter caches (unclamped, as in generate)
-        layers = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()
-        # right-padded prompts under the causal mask: a real token never sees the padding after it
-        ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [B, L]
-        fwd = target.forward(ids, cache, logits_rows=slice(0, 0), layers=layers)
-        last = torch.tensor([n - 1 for n in lens], device=dev)
-        logits = target.lm_head(fwd.hidden[torch.arange(b, device=dev), last]).float()  # [B, V]
-        if self.sampling.greedy:
-            first = logits.argmax(-1).tolist()
+        # the positions a generation can reach: prompt, new tokens, and one tree past them before compaction
+        need = max(lens) + max(budgets) + TREE_ROOM
+        if ragged:
+            # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says. Bounded by
+            # the context plus room for one padded tree: every row writes the step's widest tree (padding included),
+            # so a row near the context still writes up to max tree nodes past it (a lone row writes only its own
+            # tree, which the context check keeps inside)
+            cache = PreallocatedCache(target.model.config, min(need, context + TREE_ROOM) if context else need)
         else:
-            first = [int(sample(logits_to_probs(logits[i], self.sampling), generators[i])) for i in range(b)]
-        cache.set_row_lengths(lens)
-        gens = [Generation(new_tokens=[first[i]], prompt_tokens=lens[i], wall_s=0.0, prefill_s=0.0) for i in range(b)]
-        capture_at = capture_at or {}
-        for i, k in capture_at.items():
-            if k == 0:
-                gens[i].captured = logits[i].clone()
-        tokens = [torch.cat([ids[i : i + 1, : lens[i]], torch.tensor([[first[i]]], device=dev)], 1) for i in range(b)]
-        states = {}
-        for i in range(b):
-            states[i] = self._row_state(tokens[i], fwd.hidden[i : i + 1, : lens[i]], cache, i, lens[i], generators[i],
-                                        None if fwd.layers is None else fwd.layers[i : i + 1, : lens[i]], capacity)
-            drafters[i].prefill(states[i])
+            cache = target.new_cache(min(need, context) if context else need)  # the context bounds it
+        layer_ids = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()  # EAGLE-3's features
+        prompt_t, fwd, first, logits, first_host = self._prefill(prompts, cache, ragged, layer_ids, generators)
+        lengths = torch.tensor(lens, device=dev) if ragged else torch.full((1,), lens[0], device=dev)  # [B] prefixes
+        ids = torch.zeros(b, need + 1, dtype=torch.long, device=dev)  # every row's verified tokens
+        ids[:, : prompt_t.shape[1]] = prompt_t
+        ids.scatter_(1, lengths[:, None], first[:, None])  # the root behind each prompt
+        rows = Rows([Row(i, Generation(new_tokens=[first_host[i]], prompt_tokens=lens[i], wall_s=0.0, prefill_s=0.0),
+                         budgets[i], generators[i], capture_at.get(i), lens[i]) for i in range(b)], ids, lengths)
+        gens = [row.gen for row in rows.live]
+        for row in rows.live:
+            if row.capture_at == 0:
+                row.gen.captured = logits[row.index].clone()
+        done = set()
+        for r, row in enumerate(rows.live):
+            if first_host[r] in eos:
+                row.gen.stopped_by = "eos"
+            if first_host[r] in eos or row.budget <= 1:
+                done.add(r)  # done at the prefill: leaves before the drafter sees it
+        hid, lay, fresh = fwd.hidden, fwd.layers, lens
+        if done:
+            step = self._leave(rows, done, cache, None, ragged)
+            hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
+            fresh = [fresh[i] for i in step.index]
+        drafter = rows_protocol(self.drafter, len(rows))
+        if len(rows):
+            # a drafter's own caches: the need, unclamped (a tree past the context is drafted before it is dropped)
+            state = self._state(rows, hid, fresh, cache, ragged, lay, need)
+            drafter.prefill_rows(state)
         sync(devs)
         batch = BatchGeneration(rows=gens, wall_s=0.0, prefill_s=time.perf_counter() - t0)
         for g in gens:
             g.prefill_s = batch.prefill_s
-        for i in range(b):
-            if first[i] in eos:
-                gens[i].stopped_by = "eos"
-        active = [i for i in range(b) if first[i] not in eos and budgets[i] > 1]  # cache row r holds prompt active[r]
-        for i in range(b):
-            if i not in active:
-                gens[i].wall_s = batch.prefill_s
-                del states[i]  # done at the prefill: neither its state nor its drafter is kept
-                drafters[i] = None
-        prefix = [lens[i] for i in active]  # entries each active row holds (its root is not among them)
-        lengths = torch.tensor(prefix, device=dev)  # [A] the same on the device: the masks read it, never the host
-        if active and len(active) < b:
-            cache.keep_rows(torch.tensor(active, device=dev), prefix)
-        while active:
-            trees, proposed = [], []
-            for i in active:
-                td = time.perf_counter()
-                tree = drafters[i].propose(states[i])
-                sync(devs)
-                gens[i].draft_s += time.perf_counter() - td
-                proposed.append(tree.num_nodes)
-                trees.append(tree)
+            if g not in (row.gen for row in rows.live):
+                g.wall_s = batch.prefill_s
+        while len(rows):
+            td = time.perf_counter()
+            tree = drafter.propose_rows(state)
+            sync(devs)
             tv = time.perf_counter()
-            for r, i in enumerate(active):
-                if context is not None and prefix[r] + 1 + trees[r].num_nodes > context:
-                    trees[r] = DraftTree.empty(device=dev)  # as generate(): decoded one token, every node rejected
-            sizes = [t.num_nodes for t in trees]
-            q = 1 + max(sizes)
-            ancs = [ancestor_matrix(t.parents[0]) for t in trees]  # [n+1, n+1] each
-            roots = torch.stack([t[0, -1] for t in (tokens[i] for i in active)])  # [A]
-            pad = roots.new_zeros(q - 1)
-            ids = torch.stack([torch.cat([roots[r : r + 1], t.tokens[0], pad[: q - 1 - t.num_nodes]])
-                               for r, t in enumerate(trees)])  # [A, Q]
-            pos = torch.cat([torch.cat([tree_position_ids(a, p)[0], a.new_full((q - a.shape[0],), p, dtype=torch.long)])[None]
-                             for a, p in zip(ancs, prefix)])  # [A, Q]
-            width = max(prefix) + q
-            mask = batch_tree_mask(torch.stack([padded_ancestors(a, q) for a in ancs]), lengths, width,
-                                   target.dtype)  # [A, 1, Q, W]
-            fwd = target.forward(ids, cache, position_ids=pos, attention_mask=mask, layers=layers)
-            accs, host = [], []
-            for r, tree in enumerate(trees):
-                n = tree.num_nodes
-                node_tok, node_par = tree.tokens[0], tree.parents[0]
-                row_logits = fwd.logits[r, : n + 1]  # [n+1, V]
-                if self.sampling.greedy:
-                    acc = greedy_accept(node_tok, node_par, ancs[r], row_logits.argmax(-1))
-                else:
-                    qp = tree.draft_probs[0] if tree.draft_probs is not None else None
-                    acc = rejection_accept(node_tok, node_par, ancs[r], logits_to_probs(row_logits, self.sampling), qp,
-                                           generators[active[r]])
-                accs.append(acc)
-                host += [node_tok, node_par, acc.path, torch.stack([acc.length, acc.next_token, acc.recovered.long()])]
-            flat = torch.cat(host).tolist()  # the step's one host transfer, for the whole batch
-            outcome, at = [], 0
-            for tree in trees:
-                n = tree.num_nodes
-                length, next_token, recovered = flat[at + 3 * n : at + 3 * n + 3]
-                outcome.append((flat[at : at + n], flat[at + n : at + 2 * n], flat[at + 2 * n : at + 2 * n + length],
-                                next_token, bool(recovered)))
-                at += 3 * n + 3
-            keeps = [acc.path[: len(o[2])] for acc, o in zip(accs, outcome)]
-            lengths = lengths + 1 + torch.stack([acc.length for acc in accs])
-            compact_rows(cache, [p + 1 for p in prefix], keeps, [o[2] == list(range(len(o[2]))) for o in outcome])
+            draft_s = tv - td
+            proposed = tree.row_sizes()  # (a dropped tree: every proposed node rejected, from the drafter's side)
+            tree = self._within_context(tree, rows, context)
+            sizes = tree.row_sizes()
+            x_ids, pos, mask, anc = self._geometry(tree, rows, ragged)
+            fwd = target.forward(x_ids, cache, position_ids=pos, attention_mask=mask, layers=layer_ids)
+            logits = fwd.logits  # [A, Q, V]
+            if self.sampling.greedy:
+                acc = greedy_accept_rows(tree.tokens, tree.parents, anc, logits.argmax(-1), tree.valid)
+            else:
+                acc = rejection_accept_rows(tree.tokens, tree.parents, anc, logits_to_probs(logits, self.sampling),
+                                            tree.draft_probs, [row.generator for row in rows.live], sizes, tree.valid)
+            # the step's one host transfer: every row's tree and outcome, for the bookkeeping below
+            a, n = tree.tokens.shape
+            flat = torch.cat([tree.tokens.flatten(), tree.parents.flatten(), acc.path.flatten(), acc.length,
+                              acc.next_token, acc.recovered.long()]).tolist()
+            lengths_h = flat[3 * a * n : 3 * a * n + a]
+            nexts, recs = flat[3 * a * n + a : 3 * a * n + 2 * a], flat[3 * a * n + 2 * a :]
+            paths = [flat[2 * a * n + r * n : 2 * a * n + r * n + lengths_h[r]] for r in range(a)]
+            contiguous = all(p == list(range(len(p))) for p in paths)
+            if ragged:
+                compact_rows(cache, rows.lengths + 1, acc.path, acc.length, [p + 1 for p in rows.prefixes], lengths_h,
+                             contiguous)
+            else:
+                compact_cache(cache, rows.live[0].prefix, acc.path[0, : lengths_h[0]], contiguous)
             sync(devs)
             verify_s = time.perf_counter() - tv
             batch.steps += 1
-            batch.active.append(len(active))
-            still, kept_rows = [], []
-            for r, i in enumerate(active):
-                gen, (node_tokens, parents, path, next_token, recovered) = gens[i], outcome[r]
+            batch.active.append(a)
+            # every row's new tokens (accepted + next) written behind its root, on the device (past a row's end: stale)
+            new = torch.cat([tree.tokens.gather(1, acc.path.clamp(min=0)), acc.next_token.new_zeros(a, 1)], 1)
+            new.scatter_(1, acc.length[:, None], acc.next_token[:, None])  # [A, N+1]
+            rows.ids.scatter_(1, rows.lengths[:, None] + 1 + torch.arange(n + 1, device=dev), new)
+            rows.lengths = rows.lengths + 1 + acc.length
+            done, results = set(), []
+            for r, row in enumerate(rows.live):
+                gen, k = row.gen, sizes[r]
+                node_tokens, parents = flat[r * n : r * n + k], flat[a * n + r * n : a * n + r * n + k]
+                path = paths[r]
+                gen.draft_s += draft_s
                 gen.verify_s += verify_s
                 before = len(gen.new_tokens)
-                emitted, done = _emit(gen, [node_tokens[j] for j in path] + [next_token], eos, budgets[i])
-                if before <= capture_at.get(i, -1) < before + len(emitted):  # chosen at its parent's row, as generate()
-                    gen.captured = fwd.logits[r, ([0] + [j + 1 for j in path])[capture_at[i] - before]].clone()
-                self._count_step(gen, trees[r], emitted, parents, path, recovered)
-                prefix[r] += 1 + len(path)
-                if done:
+                emitted, finished = _emit(gen, [node_tokens[j] for j in path] + [nexts[r]], eos, row.budget)
+                if row.capture_at is not None and before <= row.capture_at < before + len(emitted):
+                    # emitted token t was chosen at the row of its parent: the root (row 0), then accepted node path[t-1]
+                    gen.captured = logits[r, ([0] + [j + 1 for j in path])[row.capture_at - before]].clone()
+                self._count_step(gen, tree, r, emitted, parents, path, bool(recs[r]))
+                row.prefix += 1 + len(path)
+                if finished:
                     sync(devs)
                     gen.wall_s = time.perf_counter() - t0
-                    # its drafter (own caches) and its state (views of the cache buffers keep_rows replaces) go now,
-                    # not when the batch ends: a finished row holds no memory while the others decode
-                    del states[i]
-                    drafters[i] = None
-                    continue
-                new = torch.cat([trees[r].tokens[0][keeps[r]], accs[r].next_token[None]])  # [A+1] == emitted
-                tokens[i] = torch.cat([tokens[i], new[None]], dim=1)
-                still.append(i)
-                kept_rows.append(r)
-            if len(still) < len(active):  # finished rows leave the batch
-                prefix = [prefix[r] for r in kept_rows]
-                if still:
-                    index = torch.tensor(kept_rows, device=dev)
-                    cache.keep_rows(index, prefix)
-                    lengths = lengths.index_select(0, index)
-            for r, i in enumerate(still):
-                src = kept_rows[r]
-                keep = keeps[src]
-                rows = torch.cat([keep.new_zeros(1), keep + 1])
-                states[i] = self._row_state(tokens[i], fwd.hidden[src : src + 1, rows], cache, r, prefix[r],
-                                            generators[i], None if fwd.layers is None else fwd.layers[src : src + 1, rows],
-                                            capacity)
-                node_tokens, _, path, next_token, recovered = outcome[src]
-                drafters[i].on_verified(VerifyResult(
-                    accepted_nodes=path, accepted_tokens=[node_tokens[j] for j in path], next_token=next_token,
-                    recovered=recovered, num_nodes=proposed[src], emitted=gens[i].new_tokens[-(len(path) + 1):],
-                    hidden=states[i].hidden), states[i])
-            active = still
+                    done.add(r)
+                results.append(VerifyResult(
+                    accepted_nodes=path, accepted_tokens=[node_tokens[j] for j in path], next_token=nexts[r],
+                    recovered=bool(recs[r]), num_nodes=proposed[r], emitted=emitted))
+            # the hidden rows of every root and accepted path, [A, max A_r + 1, H]
+            keep = torch.cat([acc.path.new_zeros(a, 1), acc.path[:, : max(lengths_h)] + 1], 1).clamp(min=0)
+            hid = fwd.hidden.gather(1, keep[:, :, None].expand(-1, -1, fwd.hidden.shape[-1]))
+            lay = None if fwd.layers is None else fwd.layers.gather(1, keep[:, :, None].expand(-1, -1,
+                                                                                                fwd.layers.shape[-1]))
+            fresh = [k + 1 for k in lengths_h]
+            if done:
+                if len(done) == a:
+                    break
+                step = self._leave(rows, done, cache, drafter, ragged)
+                hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
+                fresh, results = [fresh[i] for i in step.index], [results[i] for i in step.index]
+            state = self._state(rows, hid, fresh, cache, ragged, lay, need)
+            drafter.on_verified_rows(results, state)
         sync(devs)
         batch.wall_s = time.perf_counter() - t0
         return batch
 
+    def _within_context(self, tree: DraftTree, rows: Rows, context: int | None) -> DraftTree:
+        """A row whose tree would reach past the context's last position verifies no node (as the baseline decodes
+        there); the node count bounds the depth, so no host read is needed."""
+        if context is None:
+            return tree
+        sizes = tree.row_sizes()
+        over = [r for r, (row, k) in enumerate(zip(rows.live, sizes)) if row.prefix + 1 + k > context]
+        if not over:
+            return tree
+        if len(sizes) == 1:
+            return DraftTree.empty(device=tree.tokens.device)
+        keep = [0 if r in over else k for r, k in enumerate(sizes)]
+        n = max(keep)
+        valid = (tree.valid if tree.valid is not None else torch.ones_like(tree.tokens, dtype=torch.bool))
+        valid = valid & torch.tensor([r not in over for r in range(len(sizes))], device=valid.device)[:, None]
+        return DraftTree(tokens=tree.tokens[:, :n], parents=tree.parents[:, :n],
+                         draft_probs=None if tree.draft_probs is None else tree.draft_probs[:, :n],
+                         is_chain=False, priority=None if tree.priority is None else tree.priority[:, :n],
+                         sizes=keep, valid=valid[:, :n])
+
+    def _leave(self, rows: Rows, done: set[int], cache, drafter, ragged: bool):
+        """Finished rows leave the batch: the rows, the cache and the drafter (None: not started yet) reorder alike."""
+        step = rows.leave(done)
+        if ragged:
+            cache.leave(step.src, step.dst, len(rows), rows.prefixes, rows.lengths)
+        if drafter is not None:
+            drafter.keep_rows(step.index)
+        return step

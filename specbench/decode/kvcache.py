@@ -32,6 +32,7 @@ class PreallocatedLayer(CacheLayerMixin):
         self.capacity = max(int(capacity), 1)
         self.length = 0  # the longest row's
         self.rows: list[int] | None = None  # per-row lengths when ragged (host ints: no device read), else None
+        self.at: torch.Tensor | None = None  # [B] the same on the device, where each row writes (ragged only)
         self._k: torch.Tensor | None = None  # [B, kv_heads, capacity, head_dim]
         self._v: torch.Tensor | None = None
         super().__init__()  # (assigns keys / values = None: the setters below accept that)
@@ -84,21 +85,29 @@ class PreallocatedLayer(CacheLayerMixin):
         if self.rows is None:
             self._k[:, :, self.length : end] = key_states
             self._v[:, :, self.length : end] = value_states
-        else:  # ragged: each row behind its own entries
-            for b, n in enumerate(self.rows):
-                self._k[b, :, n : n + q] = key_states[b]
-                self._v[b, :, n : n + q] = value_states[b]
+        else:  # ragged: each row behind its own entries, every row in one scatter
+            cols = self.at[:, None] + torch.arange(q, device=self.at.device)  # [B, Q]
+            rows = torch.arange(cols.shape[0], device=cols.device)[:, None]  # [B, 1]
+            # advanced indices around a slice put their axes first: the target is [B, Q, kv_heads, head_dim]
+            self._k[rows, :, cols] = key_states.transpose(1, 2)
+            self._v[rows, :, cols] = value_states.transpose(1, 2)
+            self.at = self.at + q
             self.rows = [n + q for n in self.rows]
             end = max(self.rows)
         self.length = end
         return self.keys, self.values
 
-    def set_row_lengths(self, lengths: list[int]) -> None:
-        """Row b holds lengths[b] entries from now on (after a per-row compaction); equal lengths end raggedness."""
+    def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
+        """Row b holds lengths[b] entries from now on (after a per-row compaction); equal lengths end raggedness.
+        `at` [B]: the same lengths on the device (the engine keeps them there; else copied from the host)."""
         if self._k is not None and len(lengths) != self._k.shape[0]:
             raise ValueError(f"{len(lengths)} row lengths for a batch of {self._k.shape[0]}")
         self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
         self.length = max(lengths, default=0)
+        if self.rows is not None:
+            self.at = at if at is not None else torch.tensor(self.rows, device=self._k.device)
+        else:
+            self.at = None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0  # (kv_length, kv_offset), as DynamicLayer: the rows in use + the query
@@ -114,12 +123,30 @@ class PreallocatedLayer(CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass minus the number of entries to drop")
         if self.rows is not None:
-            self.set_row_lengths([max(n + tokens_to_remove, 0) for n in self.rows])
+            self.set_row_lengths([max(n + tokens_to_remove, 0) for n in self.rows],
+                                 None if self.at is None else (self.at + tokens_to_remove).clamp(min=0))
         else:
             self.length = max(self.length + tokens_to_remove, 0)
 
     def reset(self) -> None:
-        self.length, self.rows = 0, None
+        self.length, self.rows, self.at = 0, None, None
+
+    def move_entries(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """In every batch row b, the entries at columns src[b] [M] copied to columns dst[b] [M] (one gather and one
+        scatter for the whole batch; the gather is taken before anything is written)."""
+        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        self._k[rows, :, dst] = self._k[rows, :, src]
+        self._v[rows, :, dst] = self._v[rows, :, src]
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, keep: int) -> None:
+        """Batch rows src [M] copied into rows dst [M], then only the first `keep` rows stay (a view: the buffers are
+        not copied). How a finished row leaves: the last live row moves into its place."""
+        if self._k is None:
+            return
+        if src.numel():
+            self._k[dst] = self._k[src]
+            self._v[dst] = self._v[src]
+        self._k, self._v = self._k[:keep], self._v[:keep]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self._k is not None:
@@ -141,10 +168,13 @@ class PreallocatedCache(Cache):
                              f"{', '.join(sorted(kinds))}{' with a sliding window' if kinds == {'full_attention'} else ''}")
         super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(text.num_hidden_layers)])
 
-    def set_row_lengths(self, lengths: list[int]) -> None:
-        """Ragged rows (batched decoding): row b holds lengths[b] entries in every layer."""
+    def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
+        """Ragged rows (batched decoding): row b holds lengths[b] entries in every layer (`at`: the same on the
+        device, one tensor for every layer)."""
+        if at is None and len(set(lengths)) > 1 and self.layers[0]._k is not None:
+            at = torch.tensor([int(n) for n in lengths], device=self.layers[0]._k.device)
         for layer in self.layers:
-            layer.set_row_lengths(lengths)
+            layer.set_row_lengths(lengths, at)
 
     def row_lengths(self) -> list[int]:
         """Entries per row (host ints)."""
@@ -152,12 +182,14 @@ class PreallocatedCache(Cache):
         b = 0 if layer._k is None else layer._k.shape[0]
         return list(layer.rows) if layer.rows is not None else [layer.length] * b
 
-    def keep_rows(self, index: torch.Tensor, lengths: list[int]) -> None:
-        """Only the batch rows `index` [R] stay (a finished row leaves the batch), holding `lengths` entries each."""
+    def leave(self, src: torch.Tensor, dst: torch.Tensor, keep: int, lengths: list[int],
+              at: torch.Tensor | None = None) -> None:
+        """A batch shrinks to its first `keep` rows, rows src [M] moved into rows dst [M] first (a finished row's place
+        taken by a later row: specbench/decode/rows.py), holding `lengths` entries each: the moved rows are copied,
+        the others stay where they are (no copy of the buffers)."""
         for layer in self.layers:
-            layer.reorder_cache(index)
-            layer.set_row_lengths(lengths)
-
+            layer.move_rows(src, dst, keep)
+        self.set_row_lengths(lengths, at)
 
 
 class StaticLayer(PreallocatedLayer):
@@ -190,10 +222,10 @@ class StaticLayer(PreallocatedLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.width[0], 0
 
-    def set_row_lengths(self, lengths: list[int]) -> None:
+    def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
         if len(set(lengths)) > 1:
             raise SpecbenchError("model.compile decodes one row at a time (its cache has no ragged rows)")
-        super().set_row_lengths(lengths)
+        super().set_row_lengths(lengths, at)
 
 
 class StaticCache(Cache):

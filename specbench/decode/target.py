@@ -161,19 +161,21 @@ def compact_cache(cache: Cache, prefix_len: int, keep: torch.Tensor, contiguous:
     cache.crop(first + a - cache.get_seq_length())  # transformers' crop takes minus the number of entries to drop
 
 
-def compact_rows(cache: PreallocatedCache, firsts: list[int], keeps: list[torch.Tensor], contiguous: list[bool]) -> None:
-    """compact_cache for ragged rows (batched decoding): row r wrote its root at firsts[r] - 1 and its tree behind it;
-    it keeps its prefix, the root and the accepted nodes keeps[r] [A_r] (path order), copied into place behind the
-    root in every layer; then each row's length is set to firsts[r] + A_r (the tree entries past it are stale)."""
-    for r, (first, keep, cont) in enumerate(zip(firsts, keeps, contiguous)):
-        a = keep.shape[0]
-        if cont or a == 0:
-            continue
+def compact_rows(cache: PreallocatedCache, first: torch.Tensor, path: torch.Tensor, length: torch.Tensor,
+                 firsts: list[int], accepted: list[int], contiguous: bool = False) -> None:
+    """compact_cache for ragged rows (batched decoding): row r wrote its root at first[r] - 1 and its tree behind it;
+    it keeps its prefix, the root and its accepted nodes path[r, :accepted[r]] (path order, then -1), copied into place
+    behind the root with one gather and one scatter per layer for the whole batch; then row r holds first[r] +
+    accepted[r] entries (the tree past them is stale). first, length [A] and path [A, N] on the device; firsts and
+    accepted: the host's ints of the same; contiguous: every row's path is its nodes 0..A_r-1 (nothing to copy)."""
+    amax = max(accepted, default=0)
+    if amax and not contiguous:
+        dst = first[:, None] + torch.arange(amax, device=first.device)  # [A, amax]
+        keep = path[:, :amax]
+        src = torch.where(keep >= 0, first[:, None] + keep, dst)  # past a row's path: its entry onto itself
         for layer in cache.layers:
-            idx = (keep + first).to(layer.keys.device, non_blocking=True)
-            layer.keys[r, :, first : first + a] = layer.keys[r].index_select(-2, idx)
-            layer.values[r, :, first : first + a] = layer.values[r].index_select(-2, idx)
-    cache.set_row_lengths([first + keep.shape[0] for first, keep in zip(firsts, keeps)])
+            layer.move_entries(src.to(layer._k.device), dst.to(layer._k.device))
+    cache.set_row_lengths([f + a for f, a in zip(firsts, accepted)], first + length)
 
 
 def row_kv(cache: Cache, row: int, length: int, device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -6,7 +6,7 @@ minimum elsewhere). Every row must allow at least one key.
 
 Decoding (trees): row 0 of every tree forward is the root (the last verified token); rows 1..N are the drafted nodes.
 Node i sees the cached prefix, the root, its ancestors and itself (SpecInfer / Medusa / EAGLE tree attention):
-`ancestor_matrix`, `visible`, `tree_attention_mask`, `tree_position_ids`.
+`ancestor_matrices` (and one tree's `ancestor_matrix`), `visible`, `tree_attention_mask`, `tree_position_ids`.
 Training (what a query would see while drafting, simulated over a whole sequence):
 `harmonized` (HASS's aligned steps), `up_to_start` and `in_block` (Beagle's windows, MoA's T-step-bounded blocks).
 
@@ -33,19 +33,25 @@ def is_chain(parents: list[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 
 
-def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
-    """anc[r, c] = True when row c is row r or one of its ancestors (row 0 = root, row i+1 = node i).
-    parents [N] (-1 = the root) -> [N+1, N+1] bool, on parents' device.
+def ancestor_matrices(parents: torch.Tensor) -> torch.Tensor:
+    """anc[a, r, c] = True when row c of tree a is row r or one of its ancestors (row 0 = root, row i+1 = node i).
+    parents [A, N] (-1 = the root; a padding node is a child of the root) -> [A, N+1, N+1] bool, on parents' device.
 
     Pointer doubling: after j rounds anc[r] holds r's ancestors less than 2^j levels up and up[r] is its 2^j-th
-    ancestor (the root being its own parent), so ceil(log2(N+1)) rounds of tensor ops cover any depth <= N."""
-    n = parents.shape[0]
-    up = torch.cat([parents.new_zeros(1), parents + 1])  # [N+1] parent row of every row
-    anc = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
+    ancestor (the root being its own parent), so ceil(log2(N+1)) rounds of tensor ops cover any depth <= N, for every
+    tree of the batch at once."""
+    a, n = parents.shape
+    up = torch.cat([parents.new_zeros(a, 1), parents + 1], 1)  # [A, N+1] parent row of every row
+    anc = torch.eye(n + 1, dtype=torch.bool, device=parents.device).expand(a, n + 1, n + 1)
     for _ in range(n.bit_length()):
-        anc = anc | anc[up]
-        up = up[up]
+        anc = anc | anc.gather(1, up[:, :, None].expand(a, n + 1, n + 1))
+        up = up.gather(1, up)
     return anc
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """One tree's: parents [N] -> [N+1, N+1] (ancestor_matrices at one row)."""
+    return ancestor_matrices(parents[None])[0]
 
 
 def visible(seen: torch.Tensor, prefix_len: int) -> torch.Tensor:

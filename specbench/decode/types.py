@@ -1,4 +1,5 @@
-"""Typed objects passed between the engine and drafters (shapes in comments; B is the batch axis, runs use B=1).
+"""Typed objects passed between the engine and drafters (shapes in comments; B is the batch axis: the live rows of a
+batch, ragged ones padded, their real extent given per row).
 
 Vocabulary (vLLM / SpecInfer): a drafted node is *accepted* when verification keeps it; after the accepted path the
 engine always emits one more token from the target, the *bonus* token when the path ended at a leaf of the draft
@@ -38,11 +39,50 @@ class DraftTree:
     # [B, N] the policy's preference (higher first; a node never above its parent): the best n nodes form the tree
     # that policy grows with n nodes; read only by the tree cost model (specbench/bench/costmodel.py), None = node order
     priority: torch.Tensor | None = None
-
+    # rows padded to one node count (a batch's trees): the real nodes of row b are its first sizes[b] (host ints),
+    # valid[b, i] the same on the device (a padding node is a child of the root, never accepted); None: all N real
+    sizes: list[int] | None = None
+    valid: torch.Tensor | None = None  # [B, N] bool
 
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
+
+    def row_sizes(self) -> list[int]:
+        """Real nodes per row (host ints, no device read)."""
+        return list(self.sizes) if self.sizes is not None else [self.num_nodes] * self.tokens.shape[0]
+
+    def row(self, b: int) -> "DraftTree":
+        """Row b's own tree, padding dropped (batch of one)."""
+        n = self.row_sizes()[b]
+        cut = lambda x: None if x is None else x[b : b + 1, :n]  # noqa: E731
+        return DraftTree(tokens=cut(self.tokens), parents=cut(self.parents), draft_probs=cut(self.draft_probs),
+                         is_chain=self.is_chain, priority=cut(self.priority))
+
+    @staticmethod
+    def stack(trees: list["DraftTree"]) -> "DraftTree":
+        """Trees of one row each as the rows of one batch, padded to the largest node count (padding nodes: children
+        of the root, token 0, q = 0, priority -inf); a batch of one is its tree as it is."""
+        if len(trees) == 1:
+            return trees[0]
+        sizes = [t.num_nodes for t in trees]
+        n, dev = max(sizes), trees[0].tokens.device
+
+        def pad(xs: list[torch.Tensor], fill) -> torch.Tensor:  # each [1, n_b, ...] -> [B, n, ...]
+            return torch.cat([torch.cat([x, x.new_full((1, n - x.shape[1], *x.shape[2:]), fill)], 1) for x in xs])
+        probs = None
+        if any(t.draft_probs is not None for t in trees):  # a row without q drafted nothing or deterministically
+            v = next(t.draft_probs for t in trees if t.draft_probs is not None).shape[-1]
+            probs = pad([t.draft_probs if t.draft_probs is not None else
+                         torch.nn.functional.one_hot(t.tokens, v).float() for t in trees], 0.0)
+        priority = None
+        if all(t.priority is not None for t in trees):
+            priority = pad([t.priority for t in trees], float("-inf"))
+        valid = torch.cat([torch.cat([torch.ones(1, k, dtype=torch.bool, device=dev),
+                                      torch.zeros(1, n - k, dtype=torch.bool, device=dev)], 1) for k in sizes])
+        return DraftTree(tokens=pad([t.tokens for t in trees], 0), parents=pad([t.parents for t in trees], -1),
+                         draft_probs=probs, is_chain=all(t.is_chain for t in trees) and len(set(sizes)) == 1,
+                         priority=priority, sizes=sizes, valid=valid)
 
     @staticmethod
     def empty(batch: int = 1, device: torch.device | str = "cpu") -> "DraftTree":
@@ -74,10 +114,44 @@ class TargetState:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None  # the run's RNG, for drafters that sample at T>0
     capacity: int = 0  # positions this generation can reach (prompt + budget + a tree; 0: not said), context or not
+    # ragged rows (a batch): row b's verified tokens are tokens[b, :lengths[b]], its hidden rows hidden[b, :fresh[b]],
+    # its cached entries kv[..., :lengths[b] - 1, :], its RNG generators[b] (host ints; None: every row full, as at B=1)
+    lengths: list[int] | None = None
+    fresh: list[int] | None = None
+    generators: tuple[torch.Generator | None, ...] | None = None
+    lengths_t: torch.Tensor | None = None  # [B] each row's verified tokens on the device (the engine's; None: T each)
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def num_tokens_rows(self) -> torch.Tensor:
+        """[B] each row's verified tokens, on the device (no host copy where the engine gave them)."""
+        if self.lengths_t is not None:
+            return self.lengths_t
+        return torch.full((self.rows,), self.num_tokens, dtype=torch.long, device=self.tokens.device)
+
+    def row(self, b: int) -> "TargetState":
+        """What row b's drafter reads when it drafts that row alone (batch of one, its own lengths)."""
+        if self.lengths is None:
+            if self.rows != 1:
+                raise ValueError("TargetState.row: a state of several rows without their lengths")
+            return self
+        t = self.lengths[b]
+        f = self.fresh[b] if self.fresh is not None else None
+        return TargetState(
+            tokens=self.tokens[b : b + 1, :t],
+            hidden=None if self.hidden is None else self.hidden[b : b + 1, :f],
+            kv=None if self.kv is None else [(k[b : b + 1, :, : t - 1], v[b : b + 1, :, : t - 1]) for k, v in self.kv],
+            layers=None if self.layers is None else self.layers[b : b + 1, :f],
+            sampling=self.sampling,
+            generator=self.generators[b] if self.generators is not None else self.generator,
+            capacity=self.capacity,
+        )
 
     @property
     def cache_positions(self) -> int:

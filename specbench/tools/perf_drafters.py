@@ -54,6 +54,25 @@ class CountedDrafter:
         with self.rt:
             return self.inner.on_verified(result, state)
 
+    # the rows protocol, where the inner drafter drafts all rows at once (else the engine forks this per row)
+    @property
+    def batched(self) -> bool:
+        return getattr(self.inner, "batched", False)
+
+    def prefill_rows(self, state):
+        return self.inner.prefill_rows(state)
+
+    def propose_rows(self, state):
+        with self.rt:
+            return self.inner.propose_rows(state)
+
+    def on_verified_rows(self, results, state):
+        with self.rt:
+            return self.inner.on_verified_rows(results, state)
+
+    def keep_rows(self, index):
+        return self.inner.keep_rows(index)
+
 
 def count_round_trips(engine: Engine, ids: list[int], max_new: int) -> dict:
     """Host round trips per verification step: (all of a generation - a prefill-only generation) / steps, after an
