@@ -44,7 +44,8 @@ from drafters.trees import GrowingTree, Level, make_tree
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import decode
 from specbench.errors import SpecbenchError
-from specbench.decode.tree import tree_attention_mask
+from specbench.decode.kvcache import PreallocatedCache
+from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 from specbench.decode.vocab import COUNTS_FILE, PrunedLMHead, pruned_lm_head
 
@@ -224,10 +225,31 @@ class EagleDrafter(TrainableDrafter):
         return torch.stack(out)
 
     # ---- decoding side -------------------------------------------------------------------------------------------
+    # Every row of a batch drafts in the same forwards (the rows protocol): the head's cache holds one row per batch
+    # row (ragged: each row's verified pairs, then its drafted entries, behind its own length), a level of the tree is
+    # one forward over [A, n] nodes, and a lone row (batch 1) keeps the target's cache kind and the causal mask.
+    batched = True
+
     def prefill(self, state: TargetState) -> None:
-        self.cache = self.target.drafter_cache(self.head.body.config, state.cache_positions, self.head.body)
-        self.verified = 0
-        self.pending = (state.hidden, state.tokens[:, 1:])  # pairs (f_i, t_{i+1}), i = 0 .. L-1
+        self.prefill_rows(state)
+
+    def propose(self, state: TargetState) -> DraftTree:
+        return self.propose_rows(state)
+
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        self.on_verified_rows([result], state)
+
+    def prefill_rows(self, state: TargetState) -> None:
+        self.ragged = state.lengths is not None
+        config = self.head.body.config
+        # ragged rows are written in place at their own lengths: a preallocated cache, whatever model.cache says
+        self.cache = (PreallocatedCache(config, state.cache_positions) if self.ragged else
+                      self.target.drafter_cache(config, state.cache_positions, self.head.body))
+        self.verified = [0] * state.rows  # pairs of verified tokens in the head's cache, per row
+        self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
+        # pairs (f_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]
+        self.pending = (state.hidden, state.fresh_tokens() if self.ragged else state.tokens[:, 1:],
+                        state.fresh, state.fresh_t)
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
         if self.vocab is not None:  # module.draft_vocab: the LM head's N frequent rows only
@@ -235,30 +257,66 @@ class EagleDrafter(TrainableDrafter):
         return self.draft_logits(self.head, self.lm_head, f)
 
     @torch.inference_mode()
-    def propose(self, state: TargetState) -> DraftTree:
-        feats, toks = self.pending
-        n = toks.shape[1]
-        pos = torch.arange(self.verified, self.verified + n, device=self.device)[None]
-        root_f = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos)[0, -1]
-        self.verified += n
-        book = GrowingTree(self.policy.max_nodes, self.device)
-        feats = root_f.new_empty(self.policy.max_nodes + 1, root_f.shape[-1])  # [1 + nodes, H] row v+1: node v's f^
-        feats[0] = root_f  # row 0: the root's
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        feats, toks, fresh, fresh_t = self.pending
+        a, n = toks.shape
+        dev = self.device
+        if not self.ragged:
+            v = self.verified[0]
+            pos = torch.arange(v, v + n, device=dev)[None]
+            out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos)
+            root_f = out[:, -1]  # [1, H]
+            self.verified = [v + n]
+            root_logits = self._logits(root_f[0])[None]  # (a vector through the LM head, as ever at batch 1)
+        else:  # row b's pairs at positions verified[b] + j, j < fresh[b], causal among themselves
+            self.cache.set_row_lengths(self.verified, self.verified_t)
+            pos = self.verified_t[:, None] + torch.arange(n, device=dev)
+            causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(a, n, n)
+            mask = batch_tree_mask(causal, self.verified_t, max(self.verified) + n, feats.dtype)
+            out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos,
+                            attention_mask=mask)  # [A, n, H]
+            root_f = out.gather(1, (fresh_t - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [A, H]
+            self.verified = [v + k for v, k in zip(self.verified, fresh)]
+            self.verified_t = self.verified_t + fresh_t
+            self.cache.set_row_lengths(self.verified, self.verified_t)  # (a row's padding pairs: stale)
+            root_logits = self._logits(root_f)
+        book = GrowingTree(self.policy.max_nodes, dev, trees=a)
+        feats = root_f.new_empty(a, self.policy.max_nodes + 1, root_f.shape[-1])  # [A, 1 + nodes, H] row v+1: node v's
+        feats[:, 0] = root_f  # row 0: the root's
 
         def expand(level: Level) -> torch.Tensor:
             # a node's input pair: (its parent's predicted feature, its token)
-            f_in = feats[level.parents + 1][None]  # [1, n, H]
-            seen = book.add(level.nodes, level.parents)
-            pos = torch.full((1, level.nodes.shape[0]), self.verified + level.depth - 1, device=self.device)
-            mask = tree_attention_mask(seen, self.verified, f_in.dtype)
-            f = self.head(self.embed(level.tokens[None]), f_in, self.cache, position_ids=pos, attention_mask=mask)[0]
-            feats[level.nodes + 1] = f
+            h = feats.shape[-1]
+            f_in = feats.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, h))  # [A, m, H]
+            seen = book.add(level.nodes, level.parents)  # [A, m, S]
+            m = level.nodes.shape[1]
+            if not self.ragged:
+                v = self.verified[0]
+                pos = torch.full((1, m), v + level.depth - 1, device=dev)
+                mask = tree_attention_mask(seen[0], v, f_in.dtype)
+            else:
+                pos = (self.verified_t + level.depth - 1)[:, None].expand(a, m)
+                mask = batch_tree_mask(seen, self.verified_t, max(self.verified) + seen.shape[-1], f_in.dtype)
+            f = self.head(self.embed(level.tokens), f_in, self.cache, position_ids=pos, attention_mask=mask)
+            feats.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, h), f)
+            if not self.ragged:
+                return self._logits(f[0])[None]
             return self._logits(f)
 
-        grown = self.policy.grow(self._logits(root_f), expand)
-        self.cache.crop(self.verified - self.cache.get_seq_length())  # drop drafted entries
+        grown = self.policy.grow_rows(root_logits, expand)
+        if self.ragged:  # drop the drafted entries
+            self.cache.set_row_lengths(self.verified, self.verified_t)
+        else:
+            self.cache.crop(self.verified[0] - self.cache.get_seq_length())
         return grown.draft()
 
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        n = state.hidden.shape[1]  # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})
-        self.pending = (state.hidden, state.tokens[:, -n:])
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})
+        n = state.hidden.shape[1]
+        self.pending = (state.hidden, state.fresh_tokens() if self.ragged else state.tokens[:, -n:], state.fresh,
+                        state.fresh_t)
+
+    def keep_rows(self, leave) -> None:
+        self.verified = [self.verified[i] for i in leave.index]
+        self.verified_t = self.verified_t.index_select(0, leave.index_t)
+        self.cache.leave(leave.src, leave.dst, len(leave.index), self.verified, self.verified_t)

@@ -90,5 +90,5 @@ class PromptLookup(Drafter):
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         pass
 
-    def keep_rows(self, index: list[int]) -> None:
+    def keep_rows(self, leave) -> None:
         pass

@@ -2,7 +2,9 @@
 
 A policy grows a tree from the root's next-token logits and an `expand(level) -> logits` callback that runs the
 drafter on already-drafted nodes (all at one depth, in one batch) and returns their children's logits [n, V].
-Everything stays on the drafter's device: no host reads per node or per depth (tests/test_roundtrips.py).
+`grow_rows` grows one tree per row of a batch at once (root logits [A, V], levels of [A, n] nodes, expand -> [A, n, V]);
+`grow` is its one-row form. Everything stays on the drafter's device: no host reads per node or per depth
+(tests/test_roundtrips.py).
 
 - StaticTree (Medusa sparse trees, EAGLE-1): a fixed set of paths of top-k ranks, e.g. [0, 1] = the top-1 child of
   the root, then the top-2 child below it: the convention of Medusa's and EAGLE's `*_choices` lists (the EAGLE
@@ -31,55 +33,75 @@ class Level:
     """Already-drafted nodes of one depth whose children a policy asks for (every ancestor of theirs was expanded
     earlier). Tensors on the drafter's device: a policy never reads them on the host."""
 
-    nodes: torch.Tensor  # [n] node ids (indices into the policy's drafted nodes)
-    tokens: torch.Tensor  # [n] their tokens
-    parents: torch.Tensor  # [n] their parents' node ids, -1 = the root
+    nodes: torch.Tensor  # [n] node ids (indices into the policy's drafted nodes); [A, n] in grow_rows
+    tokens: torch.Tensor  # [n] their tokens ([A, n])
+    parents: torch.Tensor  # [n] their parents' node ids, -1 = the root ([A, n])
     depth: int  # their depth, the root's children being 1 (a row's position is the root's + depth)
 
 
-# a Level -> its nodes' children's logits [n, V]
+# a Level -> its nodes' children's logits [n, V] ([A, n, V] in grow_rows)
 Expand = Callable[[Level], torch.Tensor]
 
 
 @dataclass
 class Grown:
-    tokens: torch.Tensor  # [N] in topological order
-    parents: torch.Tensor  # [N], -1 = root
+    tokens: torch.Tensor  # [A, N] in topological order, one tree per row ([N]: grow's one tree)
+    parents: torch.Tensor  # [A, N], -1 = root
     is_chain: bool = False  # known from the policy's shape alone (no host read): the target's causal mask applies
-    priority: torch.Tensor | None = None  # [N] the policy's order of preference (higher first; see DraftTree)
+    priority: torch.Tensor | None = None  # [A, N] the policy's order of preference (higher first; see DraftTree)
+
+    def row(self, a: int) -> "Grown":
+        return Grown(self.tokens[a], self.parents[a], self.is_chain, None if self.priority is None else self.priority[a])
 
     def draft(self) -> DraftTree:
-        """The step's proposal, batch of one."""
-        return DraftTree(tokens=self.tokens[None], parents=self.parents[None], is_chain=self.is_chain,
-                         priority=None if self.priority is None else self.priority[None])
+        """The step's proposal, one tree per row (every row the same node count)."""
+        if self.tokens.dim() == 1:
+            return DraftTree(tokens=self.tokens[None], parents=self.parents[None], is_chain=self.is_chain,
+                             priority=None if self.priority is None else self.priority[None])
+        return DraftTree(tokens=self.tokens, parents=self.parents, is_chain=self.is_chain, priority=self.priority)
+
+
+def one_row(expand: Expand) -> Expand:
+    """A one-row expand ([n] levels -> [n, V]) as grow_rows calls it (levels [1, n] -> [1, n, V])."""
+    return lambda lv: expand(Level(lv.nodes[0], lv.tokens[0], lv.parents[0], lv.depth))[None]
 
 
 class GrowingTree:
     """The drafted slots of a drafter's own cache that each node's row attends to (its own and its drafted ancestors'),
     kept as a bool matrix on the device that grows with the tree: the rows of one `expand` are appended to the cache
     together, in node order, so slot j is the j-th drafted entry. Row 0 is the root; row v+1 node v.
-    With `root_slot`, slot 0 is the root's own drafted entry (Beagle, MoA's TLI caches), seen by every row."""
+    With `root_slot`, slot 0 is the root's own drafted entry (Beagle, MoA's TLI caches), seen by every row.
+    `trees` trees at once (a batch's rows, each its own shape): nodes and parents [A, n]; [n] for one tree."""
 
-    def __init__(self, capacity: int, device: torch.device | str, root_slot: bool = False):
-        self.seen = torch.ones(capacity + 1, int(root_slot), dtype=torch.bool, device=device)  # [capacity+1, S]
+    def __init__(self, capacity: int, device: torch.device | str, root_slot: bool = False, trees: int = 1):
+        self.seen = torch.ones(trees, capacity + 1, int(root_slot), dtype=torch.bool, device=device)  # [A, cap+1, S]
 
     @property
     def slots(self) -> int:
-        return self.seen.shape[1]
+        return self.seen.shape[2]
+
+    def _rows(self, index: torch.Tensor) -> torch.Tensor:
+        """seen's rows `index` [A, n] of each tree -> [A, n, S] (a copy)."""
+        return self.seen.gather(1, index[:, :, None].expand(-1, -1, self.slots))
 
     def ancestors(self, parents: torch.Tensor) -> torch.Tensor:
-        """Rows seeing the drafted ancestors of nodes with these parents, not the nodes themselves. [n, S]"""
-        return self.seen[parents + 1]
+        """Rows seeing the drafted ancestors of nodes with these parents, not the nodes themselves. [n, S] ([A, n, S])"""
+        if parents.dim() == 1:
+            return self._rows(parents[None] + 1)[0]
+        return self._rows(parents + 1)
 
     def add(self, nodes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         """Give nodes [n] (children of parents [n]) the next n slots; returns their rows, own slot + ancestors':
-        [n, S+n]."""
-        n, s0 = nodes.shape[0], self.slots
-        self.seen = torch.cat([self.seen, self.seen.new_zeros(self.seen.shape[0], n)], 1)
-        rows = self.seen[parents + 1]
-        rows[:, s0:] = torch.eye(n, dtype=torch.bool, device=rows.device)
-        self.seen[nodes + 1] = rows
-        return rows
+        [n, S+n] ([A, n, S+n] for nodes, parents [A, n])."""
+        single = nodes.dim() == 1
+        if single:
+            nodes, parents = nodes[None], parents[None]
+        n, s0 = nodes.shape[1], self.slots
+        self.seen = torch.cat([self.seen, self.seen.new_zeros(*self.seen.shape[:2], n)], 2)
+        rows = self._rows(parents + 1)
+        rows[:, :, s0:] = torch.eye(n, dtype=torch.bool, device=rows.device)
+        self.seen.scatter_(1, (nodes + 1)[:, :, None].expand(-1, -1, s0 + n), rows)
+        return rows[0] if single else rows
 
 
 def sorted_paths(paths: list[list[int]], max_depth: int | None = None) -> tuple[list[list[int]], list[int]]:
@@ -152,14 +174,19 @@ class StaticTree:
         return self._index[device]
 
     def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
-        """root_logits [V]."""
+        """One tree: root_logits [V], expand on [n] levels (grow_rows at one row)."""
+        return self.grow_rows(root_logits[None], one_row(expand)).row(0)
+
+    def grow_rows(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
+        """root_logits [A, V]; every row the same paths, each with its own tokens."""
         parents, first, first_rank, levels, priority = self._indices(root_logits.device)
-        tokens = torch.zeros(len(self.paths), dtype=torch.long, device=root_logits.device)
-        tokens[first] = root_logits.topk(self.width).indices[first_rank]
+        a = root_logits.shape[0]
+        tokens = torch.zeros(a, len(self.paths), dtype=torch.long, device=root_logits.device)
+        tokens[:, first] = root_logits.topk(self.width, dim=-1).indices[:, first_rank]
         for d, feed, kids, row, rank in levels:
-            logits = expand(Level(feed, tokens[feed], parents[feed], d - 1))
-            tokens[kids] = logits.topk(self.width, dim=-1).indices[row, rank]
-        return Grown(tokens, parents, self.is_chain, priority)
+            logits = expand(Level(feed.expand(a, -1), tokens[:, feed], parents[feed].expand(a, -1), d - 1))
+            tokens[:, kids] = logits.topk(self.width, dim=-1).indices[:, row, rank]
+        return Grown(tokens, parents.expand(a, -1), self.is_chain, priority.expand(a, -1))
 
 
 class DynamicTree:
@@ -190,31 +217,38 @@ class DynamicTree:
         self.max_nodes = topk + (depth - 1) * topk * topk
 
     def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
+        """One tree: root_logits [V], expand on [n] levels (grow_rows at one row)."""
+        return self.grow_rows(root_logits[None], one_row(expand)).row(0)
+
+    def grow_rows(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
+        """root_logits [A, V]: one tree per row, every row k + (depth-1) k^2 drafted and `total` kept."""
+        a = root_logits.shape[0]
         k = min(self.topk, root_logits.shape[-1])
-        root = root_logits.float().log_softmax(-1).topk(k)
+        root = root_logits.float().log_softmax(-1).topk(k, dim=-1)  # [A, k]
         device = root_logits.device
-        f_nodes = torch.arange(k, device=device)  # the frontier: node ids, tokens, parents, cumulative log-probs
-        f_tok, f_par, f_score = root.indices, torch.full((k,), -1, dtype=torch.long, device=device), root.values
+        # the frontier: node ids, tokens, parents, cumulative log-probs, [A, k] each
+        f_nodes = torch.arange(k, device=device).expand(a, k)
+        f_tok, f_par, f_score = root.indices, torch.full((a, k), -1, dtype=torch.long, device=device), root.values
         tokens, parents, scores = [f_tok], [f_par], [f_score]  # every drafted node, level by level
         n = k
         for depth in range(1, self.depth):
-            logits = expand(Level(f_nodes, f_tok, f_par, depth))
-            child = logits.float().log_softmax(-1).topk(k, dim=-1)
-            score = (f_score[:, None] + child.values).reshape(-1)  # [k*k] each child's cumulative log-probability
-            tok, par = child.indices.reshape(-1), f_nodes[:, None].expand(-1, k).reshape(-1)
+            logits = expand(Level(f_nodes, f_tok, f_par, depth))  # [A, k, V]
+            child = logits.float().log_softmax(-1).topk(k, dim=-1)  # [A, k, k]
+            score = (f_score[:, :, None] + child.values).reshape(a, -1)  # [A, k*k] each child's cumulative log-prob
+            tok, par = child.indices.reshape(a, -1), f_nodes[:, :, None].expand(-1, -1, k).reshape(a, -1)
             tokens, parents, scores = tokens + [tok], parents + [par], scores + [score]
-            best = score.topk(min(k, score.numel())).indices  # the next frontier: the k most likely children
-            f_nodes, f_tok, f_par, f_score = n + best, tok[best], par[best], score[best]
-            n += score.numel()
-        tokens, parents, scores = torch.cat(tokens), torch.cat(parents), torch.cat(scores)
+            best = score.topk(min(k, score.shape[-1]), dim=-1).indices  # the next frontier: the k likeliest children
+            f_nodes, f_tok, f_par, f_score = n + best, tok.gather(1, best), par.gather(1, best), score.gather(1, best)
+            n += score.shape[-1]
+        tokens, parents, scores = torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1)  # [A, n]
         # rerank: a child never scores above its parent, so the best-N set is closed under ancestors when ties go to
         # the earlier (shallower) node: a stable descending sort
-        keep = scores.sort(descending=True, stable=True).indices[: self.total].sort().values
-        new_id = torch.full((n,), -1, dtype=torch.long, device=device)
-        new_id[keep] = torch.arange(keep.shape[0], device=device)
-        par = parents[keep]
-        return Grown(tokens[keep], torch.where(par >= 0, new_id[par.clamp(min=0)], -1), is_chain=k == 1,
-                     priority=scores[keep])  # the rerank's order: the best n of these are the tree of n nodes
+        keep = scores.sort(dim=-1, descending=True, stable=True).indices[:, : self.total].sort(-1).values  # [A, N]
+        new_id = torch.full((a, n), -1, dtype=torch.long, device=device)
+        new_id.scatter_(1, keep, torch.arange(keep.shape[1], device=device).expand(a, -1))
+        par = parents.gather(1, keep)
+        return Grown(tokens.gather(1, keep), torch.where(par >= 0, new_id.gather(1, par.clamp(min=0)), -1),
+                     is_chain=k == 1, priority=scores.gather(1, keep))  # the best n of these: the tree of n nodes
 
 
 def make_tree(kind: str, **options):

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from specbench.decode.rows import Leave
+
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 HIDDEN = "hidden"
@@ -70,8 +72,8 @@ class Drafter(ABC):
         """Observe every live row's outcome (results[r] for row r of state)."""
         raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
 
-    def keep_rows(self, index: list[int]) -> None:
-        """Rows left the batch: new row r is old row index[r] (specbench/decode/rows.py)."""
+    def keep_rows(self, leave: "Leave") -> None:
+        """Rows left the batch: new row r is old row leave.index[r] (specbench/decode/rows.py)."""
         raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
 
     def fork(self) -> "Drafter":
@@ -112,9 +114,9 @@ class PerRow:
             result.hidden = mine.hidden
             d.on_verified(result, mine)
 
-    def keep_rows(self, index: list[int]) -> None:
+    def keep_rows(self, leave: "Leave") -> None:
         # a finished row's drafter (its own caches) goes now, not when the batch ends
-        self.drafters = [self.drafters[i] for i in index]
+        self.drafters = [self.drafters[i] for i in leave.index]
 
 
 def rows_protocol(drafter: "Drafter", rows: int):
@@ -156,7 +158,7 @@ class NoDrafter(Drafter):
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         pass
 
-    def keep_rows(self, index: list[int]) -> None:
+    def keep_rows(self, leave: "Leave") -> None:
         pass
 
 

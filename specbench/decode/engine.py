@@ -132,8 +132,8 @@ class Engine:
         """trace=True keeps every step's tree and accepted path (one more host read per step: calibration only)."""
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
 
-    def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: list[int], cache, ragged: bool,
-               layers: torch.Tensor | None, capacity: int) -> TargetState:
+    def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: list[int], fresh_t: torch.Tensor, cache,
+               ragged: bool, layers: torch.Tensor | None, capacity: int) -> TargetState:
         """What the drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]),
         the cache's K/V, the EAGLE-3 layers."""
         needs = self.drafter.needs
@@ -151,6 +151,7 @@ class Engine:
             fresh=fresh if ragged else None,
             generators=gens,
             lengths_t=rows.lengths + 1,
+            fresh_t=fresh_t,
         )
 
     def _count_step(self, gen: Generation, tree: DraftTree, row: int, emitted: list[int], parents: list[int],
@@ -272,15 +273,15 @@ class Engine:
                 row.gen.stopped_by = "eos"
             if first_host[r] in eos or row.budget <= 1:
                 done.add(r)  # done at the prefill: leaves before the drafter sees it
-        hid, lay, fresh = fwd.hidden, fwd.layers, lens
+        hid, lay, fresh, fresh_t = fwd.hidden, fwd.layers, lens, lengths
         if done:
             step = self._leave(rows, done, cache, None, ragged)
             hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
-            fresh = [fresh[i] for i in step.index]
+            fresh, fresh_t = [fresh[i] for i in step.index], rows.lengths
         drafter = rows_protocol(self.drafter, len(rows))
         if len(rows):
             # a drafter's own caches: the need, unclamped (a tree past the context is drafted before it is dropped)
-            state = self._state(rows, hid, fresh, cache, ragged, lay, need)
+            state = self._state(rows, hid, fresh, fresh_t, cache, ragged, lay, need)
             drafter.prefill_rows(state)
         sync(devs)
         batch = BatchGeneration(rows=gens, wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -353,14 +354,15 @@ class Engine:
             hid = fwd.hidden.gather(1, keep[:, :, None].expand(-1, -1, fwd.hidden.shape[-1]))
             lay = None if fwd.layers is None else fwd.layers.gather(1, keep[:, :, None].expand(-1, -1,
                                                                                                 fwd.layers.shape[-1]))
-            fresh = [k + 1 for k in lengths_h]
+            fresh, fresh_t = [k + 1 for k in lengths_h], acc.length + 1
             if done:
                 if len(done) == a:
                     break
                 step = self._leave(rows, done, cache, drafter, ragged)
                 hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
                 fresh, results = [fresh[i] for i in step.index], [results[i] for i in step.index]
-            state = self._state(rows, hid, fresh, cache, ragged, lay, need)
+                fresh_t = fresh_t.index_select(0, step.index_t)
+            state = self._state(rows, hid, fresh, fresh_t, cache, ragged, lay, need)
             drafter.on_verified_rows(results, state)
         sync(devs)
         batch.wall_s = time.perf_counter() - t0
@@ -392,5 +394,5 @@ class Engine:
         if ragged:
             cache.leave(step.src, step.dst, len(rows), rows.prefixes, rows.lengths)
         if drafter is not None:
-            drafter.keep_rows(step.index)
+            drafter.keep_rows(step)
         return step

@@ -123,13 +123,13 @@ def padded_ancestors(anc: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def batch_tree_mask(anc: torch.Tensor, prefixes: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Ragged rows verified in one forward (batched decoding): row a holds prefixes[a] cached entries and writes its
-    Q tree rows right behind them (the preallocated cache's ragged rows), so its query q sees columns [0, prefixes[a])
-    and the tree columns prefixes[a] + c where anc[a, q, c]; nothing else (another row's longer prefix is stale).
-    anc [A, Q, Q] bool, prefixes [A] -> additive [A, 1, Q, width]."""
-    a, q, _ = anc.shape
+    """Ragged rows in one forward (batched decoding): row a holds prefixes[a] cached entries and its S newest entries
+    right behind them (the preallocated cache's ragged rows; this forward's own, or a drafter's drafted slots), so its
+    query q sees columns [0, prefixes[a]) and the columns prefixes[a] + c where anc[a, q, c]; nothing else (another
+    row's longer prefix is stale). anc [A, Q, S] bool (a tree forward's ancestor matrices, S = Q), prefixes [A] ->
+    additive [A, 1, Q, width]."""
+    a, q, s = anc.shape
     rel = torch.arange(width, device=anc.device)[None, :] - prefixes[:, None]  # [A, W] column - row's prefix
-    in_tree = (rel >= 0) & (rel < q)
-    tree = anc.gather(2, rel.clamp(0, q - 1)[:, None, :].expand(a, q, width)) & in_tree[:, None, :]  # [A, Q, W]
+    in_tree = (rel >= 0) & (rel < s)
+    tree = anc.gather(2, rel.clamp(0, max(s - 1, 0))[:, None, :].expand(a, q, width)) & in_tree[:, None, :]  # [A, Q, W]
     return additive(((rel < 0)[:, None, :] | tree)[:, None], dtype)
-

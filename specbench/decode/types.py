@@ -120,6 +120,7 @@ class TargetState:
     fresh: list[int] | None = None
     generators: tuple[torch.Generator | None, ...] | None = None
     lengths_t: torch.Tensor | None = None  # [B] each row's verified tokens on the device (the engine's; None: T each)
+    fresh_t: torch.Tensor | None = None  # [B] each row's hidden rows on the device (the engine's; None: n each)
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +135,21 @@ class TargetState:
         if self.lengths_t is not None:
             return self.lengths_t
         return torch.full((self.rows,), self.num_tokens, dtype=torch.long, device=self.tokens.device)
+
+    def fresh_rows(self) -> torch.Tensor:
+        """[B] each row's hidden rows (those just written to the cache), on the device."""
+        if self.fresh_t is not None:
+            return self.fresh_t
+        return torch.full((self.rows,), self.hidden.shape[1], dtype=torch.long, device=self.tokens.device)
+
+    def fresh_tokens(self) -> torch.Tensor:
+        """[B, n] each row's tokens of its hidden rows' entries shifted by one: row b's last fresh[b] verified tokens
+        (the pairs (f_i, t_{i+1}) of EAGLE-style drafters), left-aligned as `hidden` (past fresh[b]: stale)."""
+        n = self.hidden.shape[1]
+        if self.lengths is None:
+            return self.tokens[:, -n:]
+        cols = self.num_tokens_rows()[:, None] - self.fresh_rows()[:, None] + torch.arange(n, device=self.tokens.device)
+        return self.tokens.gather(1, cols.clamp(0, self.num_tokens - 1))
 
     def row(self, b: int) -> "TargetState":
         """What row b's drafter reads when it drafts that row alone (batch of one, its own lengths)."""

@@ -70,8 +70,8 @@ class CountedDrafter:
         with self.rt:
             return self.inner.on_verified_rows(results, state)
 
-    def keep_rows(self, index):
-        return self.inner.keep_rows(index)
+    def keep_rows(self, leave):
+        return self.inner.keep_rows(leave)
 
 
 def count_round_trips(engine: Engine, ids: list[int], max_new: int) -> dict:
