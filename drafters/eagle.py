@@ -155,7 +155,8 @@ class EagleDrafter(TrainableDrafter):
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.vocab = self.pruned_head(target, checkpoint, module or {})
         self.cache: DynamicCache | None = None
-        self.verified = 0  # pairs of verified tokens in the head's cache
+        self.verified = [0]  # pairs of verified tokens in the head's cache, per batch row
+        self.ragged = False  # a batch's ragged rows (prefill_rows with several): the head's cache in ragged rows
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (features [B,n,H], next tokens [B,n])
 
     @classmethod

@@ -233,8 +233,19 @@ class MedusaDrafter(TrainableDrafter):
         return acc
 
     # ---- decoding side -------------------------------------------------------------------------------------------
+    # every row of a batch drafts in the same head forward: the heads read each row's last hidden state
+    batched = True
+
+    @staticmethod
+    def _last_hidden(state: TargetState) -> torch.Tensor:
+        """Each row's last fresh hidden state [B, H] (ragged rows: at its own count)."""
+        if state.lengths is None:
+            return state.hidden[:, -1]
+        last = (state.fresh_rows() - 1)[:, None, None].expand(-1, 1, state.hidden.shape[-1])
+        return state.hidden.gather(1, last)[:, 0]
+
     def prefill(self, state: TargetState) -> None:
-        self.last_h = state.hidden[:, -1]
+        self.last_h = self._last_hidden(state)
 
     @torch.inference_mode()
     def propose(self, state: TargetState) -> DraftTree:
@@ -244,5 +255,13 @@ class MedusaDrafter(TrainableDrafter):
         return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1), is_chain=self.is_chain,
                          priority=self.priority.expand(tokens.shape[0], -1))
 
+    prefill_rows, propose_rows = prefill, propose
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        self.last_h = self._last_hidden(state)
+
+    def keep_rows(self, leave) -> None:
+        pass  # the next state (after the batch shrank) gives every row's hidden state afresh
+
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        self.last_h = state.hidden[:, -1]
+        self.last_h = self._last_hidden(state)

@@ -29,9 +29,9 @@ from drafters.trees import GrowingTree, Level, make_tree
 from specbench.decode.checkpoints import resolve
 from specbench.decode.compiled import decode
 from specbench.errors import SpecbenchError
-from specbench.decode.kvcache import StaticCache
+from specbench.decode.kvcache import PreallocatedCache, StaticCache
 from specbench.decode.sampling import logits_to_probs, sample
-from specbench.decode.tree import tree_attention_mask
+from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
@@ -145,6 +145,7 @@ class IndependentDrafter(TrainableDrafter):
         self.new_cache = target.drafter_cache  # the target's kind of cache (model.cache)
         self.cache: DynamicCache | None = None
         self.cached = 0  # tokens in self.cache: always a prefix of the verified tokens plus the last drafts
+        self.ragged = False  # drafting a batch's ragged rows (prefill_rows): the state below, not `cached`
 
     @classmethod
     def own_tree(cls, spec: dict) -> OwnTree | None:
@@ -257,5 +258,99 @@ class IndependentDrafter(TrainableDrafter):
         keep = before + min(result.accept_length, self.gamma - 1)
         self.cache.crop(keep - self.cached)
         self.cached = keep
+
+    # ---- the rows of a batch in the same forwards --------------------------------------------------------------------
+    # The draft model's cache holds one row per batch row, ragged (each row's verified tokens behind its own length);
+    # a row's catch-up tokens are fed left-aligned, causal among themselves, and every chain step or tree level is one
+    # forward for all rows. A lone row (batch 1) runs the one-row code above, on the target's cache kind.
+    batched = True
+
+    def prefill_rows(self, state: TargetState) -> None:
+        self.ragged = state.lengths is not None
+        if not self.ragged:
+            return self.prefill(state)
+        self.cache = PreallocatedCache(self.model.config, state.cache_positions)  # ragged rows: written in place
+        self.cached_rows = [0] * state.rows  # per row: tokens in its cache row
+        self.cached_t = torch.zeros(state.rows, dtype=torch.long, device=state.tokens.device)
+
+    def _forward_rows(self, ids: torch.Tensor, seen: torch.Tensor, depth: torch.Tensor | int) -> torch.Tensor:
+        """ids [A, Q] behind each row's cached tokens, query q seeing the new slots seen[a, q] [A, Q, S] -> logits
+        [A, Q, V] on the target's rows; positions cached + depth (depth [Q] or an int)."""
+        pos = self.cached_t[:, None] + depth
+        pos = pos.expand(ids.shape[0], ids.shape[1])
+        mask = batch_tree_mask(seen, self.cached_t, max(self.cached_rows) + seen.shape[-1],
+                               self.model.get_output_embeddings().weight.dtype)
+        return fit_vocab(self._logits(ids, last=False, position_ids=pos, attention_mask=mask), self.vocab)
+
+    @torch.inference_mode()
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        if not self.ragged:
+            return self.propose(state)
+        a, dev = state.rows, state.tokens.device
+        # catch up: row b's tokens cached[b] .. lengths[b]-1, left-aligned, causal among themselves
+        counts = [n - c for n, c in zip(state.lengths, self.cached_rows)]
+        q = max(counts)
+        counts_t = state.num_tokens_rows() - self.cached_t
+        cols = (self.cached_t[:, None] + torch.arange(q, device=dev)).clamp(max=state.num_tokens - 1)
+        self.cache.set_row_lengths(self.cached_rows, self.cached_t)
+        causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(a, q, q)
+        logits = self._forward_rows(state.tokens.gather(1, cols), causal, torch.arange(q, device=dev))
+        root = logits.gather(1, (counts_t - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
+        self.cached_rows, self.cached_t = list(state.lengths), state.num_tokens_rows()
+        self.cache.set_row_lengths(self.cached_rows, self.cached_t)  # (a row's padding entries: stale)
+        if self.policy is not None:
+            return self._grow_rows(root)
+        one = torch.ones(a, 1, 1, dtype=torch.bool, device=dev)
+        tokens, qs, logits = [], [], root
+        gens = state.generators or (None,) * a
+        for i in range(self.gamma):
+            if state.sampling.greedy:
+                x = logits.argmax(-1)  # [A]
+            else:
+                qd = logits_to_probs(logits, state.sampling)  # [A, V]
+                x = torch.cat([sample(qd[r : r + 1], g) for r, g in enumerate(gens)])  # each row its own RNG
+                qs.append(qd)
+            tokens.append(x)
+            if i + 1 < self.gamma:
+                logits = self._forward_rows(x[:, None], one, 0)[:, 0]
+                self.cached_rows = [c + 1 for c in self.cached_rows]
+                self.cached_t = self.cached_t + 1
+                self.cache.set_row_lengths(self.cached_rows, self.cached_t)
+        probs = torch.stack(qs, dim=1) if qs else None  # [A, gamma, V]
+        return DraftTree.chain(torch.stack(tokens, dim=1), probs)
+
+    def _grow_rows(self, root_logits: torch.Tensor) -> DraftTree:
+        """_grow for every row at once: the root of row b at position cached[b] - 1."""
+        a = root_logits.shape[0]
+        book = GrowingTree(self.policy.max_nodes, root_logits.device, trees=a)
+        rows, rows_t = list(self.cached_rows), self.cached_t
+
+        @torch.inference_mode()
+        def expand(level: Level) -> torch.Tensor:
+            seen = book.add(level.nodes, level.parents)  # [A, m, S]
+            return self._forward_rows(level.tokens, seen, level.depth - 1)
+
+        grown = self.policy.grow_rows(root_logits, expand)
+        self.cache.set_row_lengths(rows, rows_t)  # drop the drafted entries
+        return grown.draft()
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        if not self.ragged:
+            return self.on_verified(results[0], state)
+        if self.policy is not None:
+            return  # the cache holds the verified tokens up to the old root; the new ones are fed at the next propose
+        # row b's cache = its verified tokens before this step + drafts x_1..x_{gamma-1}; keep the accepted ones
+        fresh = state.fresh_rows()  # accepted + 1 (a row still decoding emitted them all)
+        self.cached_rows = [n - len(r.emitted) + min(r.accept_length, self.gamma - 1)
+                            for n, r in zip(state.lengths, results)]
+        self.cached_t = state.num_tokens_rows() - fresh + (fresh - 1).clamp(max=self.gamma - 1)
+        self.cache.set_row_lengths(self.cached_rows, self.cached_t)
+
+    def keep_rows(self, leave) -> None:
+        if not self.ragged:
+            return
+        self.cached_rows = [self.cached_rows[i] for i in leave.index]
+        self.cached_t = self.cached_t.index_select(0, leave.index_t)
+        self.cache.leave(leave.src, leave.dst, len(leave.index), self.cached_rows, self.cached_t)
 
 
