@@ -53,7 +53,8 @@ from drafters.trees import GrowingTree, Level, make_tree
 from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
 from specbench.decode.drafter import LAYERS, TrainableDrafter
 from specbench.errors import SpecbenchError
-from specbench.decode.tree import visible
+from specbench.decode.kvcache import PreallocatedLayer
+from specbench.decode.tree import batch_tree_mask, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 from specbench.decode.vocab import covering_size, frequent_ids
 
@@ -369,7 +370,9 @@ class Eagle3Drafter(TrainableDrafter):
         self.target, self.embed, self.device = target, target.decoder.embed_tokens, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.past: CacheLayerMixin | None = None  # the head's K, V over verified pairs (prefill makes it)
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (fused features [1,n,3H], next tokens [1,n])
+        self.pending: tuple | None = None  # (fused features [B,n,3H], next tokens [B,n], fresh, fresh_t)
+        self.verified: list[int] = [0]  # pairs of verified tokens in `past`, per batch row
+        self.ragged = False  # a batch's ragged rows (prefill_rows with several)
 
     def save_for_serving(self, out: Path, fmt: str, verifier: str) -> Path:
         """This head for SGLang or vLLM (save_for_serving); a chain of the tree's depth for vLLM's proposer."""
@@ -462,39 +465,92 @@ class Eagle3Drafter(TrainableDrafter):
         return torch.stack(out)
 
     # ---- decoding -------------------------------------------------------------------------------------------------
+    # Every row of a batch drafts in the same forwards (the rows protocol): the head's K, V in ragged rows (each row's
+    # verified pairs, then its drafted entries, behind its own length), one step per tree level for all rows; a lone row
+    # (batch 1) keeps model.cache's kind of layer and boolean masks.
+    batched = True
+
     def prefill(self, state: TargetState) -> None:
-        # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer)
-        self.past = self.target.drafter_kv(state.cache_positions)
-        self.pending = (state.layers, state.tokens[:, 1:])  # pairs (features_i, t_{i+1}), i = 0 .. L-1
+        self.prefill_rows(state)
 
-    @torch.inference_mode()
     def propose(self, state: TargetState) -> DraftTree:
-        feats, toks = self.pending
-        n = toks.shape[1]
-        verified = self.past.get_seq_length()
-        pos = torch.arange(verified, verified + n, device=self.device)[None]
-        causal = visible(torch.ones(n, n, dtype=torch.bool, device=self.device).tril(), verified)
-        h = self.head.step(self.embed(toks), self.head.fc(feats.to(self.head.fc.weight.dtype)), pos, self.past, causal)
-        verified += n
-        root_h = h[0, -1]
-        book = GrowingTree(self.policy.max_nodes, self.device)
-        hs = root_h.new_empty(self.policy.max_nodes + 1, root_h.shape[-1])  # [1 + nodes, H] row v+1: node v's h
-        hs[0] = root_h
-
-        def expand(level: Level) -> torch.Tensor:
-            h_in = hs[level.parents + 1][None]  # [1, n, H] a node's input: its parent's output and its token
-            seen = book.add(level.nodes, level.parents)
-            pos = torch.full((1, level.nodes.shape[0]), verified + level.depth - 1, device=self.device)
-            # the level's K, V appended behind the verified pairs and the earlier levels
-            out = self.head.step(self.embed(level.tokens[None]), h_in, pos, self.past, visible(seen, verified))
-            hs[level.nodes + 1] = out[0]
-            return self.head.target_logits(out[0])
-
-        grown = self.policy.grow(self.head.target_logits(root_h), expand)
-        self.past.crop(verified - self.past.get_seq_length())  # drop drafted entries
-        return grown.draft()
+        return self.propose_rows(state)
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        self.on_verified_rows([result], state)
+
+    def prefill_rows(self, state: TargetState) -> None:
+        self.ragged = state.lengths is not None
+        # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer;
+        # ragged rows are written in place at their own lengths: a preallocated layer)
+        self.past = PreallocatedLayer(state.cache_positions) if self.ragged else self.target.drafter_kv(
+            state.cache_positions)
+        self.verified = [0] * state.rows
+        self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
+        # pairs (features_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]
+        self.pending = (state.layers, state.fresh_tokens() if self.ragged else state.tokens[:, 1:], state.fresh,
+                        state.fresh_t)
+
+    def _mask(self, seen: torch.Tensor) -> torch.Tensor:
+        """Rows seeing each row's verified pairs and the new slots seen [A, Q, S] behind them."""
+        if not self.ragged:
+            return visible(seen[0], self.verified[0])
+        width = max(self.verified) + seen.shape[-1]
+        return batch_tree_mask(seen, self.verified_t, width, self.head.fc.weight.dtype)
+
+    @torch.inference_mode()
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        feats, toks, fresh, fresh_t = self.pending
+        a, n = toks.shape
+        dev = self.device
+        if self.ragged:
+            self.past.set_row_lengths(self.verified, self.verified_t)
+        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(a, n, n)
+        pos = self.verified_t[:, None] + torch.arange(n, device=dev)
+        h = self.head.step(self.embed(toks), self.head.fc(feats.to(self.head.fc.weight.dtype)), pos, self.past,
+                           self._mask(causal))
+        if not self.ragged:
+            root_h = h[:, -1]  # [1, H]
+            self.verified = [self.verified[0] + n]
+            self.verified_t = self.verified_t + n
+            root_logits = self.head.target_logits(root_h[0])[None]  # (a vector through the head, as at batch 1)
+        else:
+            root_h = h.gather(1, (fresh_t - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
+            self.verified = [v + k for v, k in zip(self.verified, fresh)]
+            self.verified_t = self.verified_t + fresh_t
+            self.past.set_row_lengths(self.verified, self.verified_t)  # (a row's padding pairs: stale)
+            root_logits = self.head.target_logits(root_h)
+        book = GrowingTree(self.policy.max_nodes, dev, trees=a)
+        hs = root_h.new_empty(a, self.policy.max_nodes + 1, root_h.shape[-1])  # [A, 1 + nodes, H] row v+1: node v's
+        hs[:, 0] = root_h
+
+        def expand(level: Level) -> torch.Tensor:
+            d = hs.shape[-1]
+            h_in = hs.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, d))  # a node's parent's output
+            seen = book.add(level.nodes, level.parents)
+            pos = (self.verified_t + level.depth - 1)[:, None].expand(a, level.nodes.shape[1])
+            # the level's K, V appended behind the verified pairs and the earlier levels
+            out = self.head.step(self.embed(level.tokens), h_in, pos, self.past, self._mask(seen))
+            hs.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, d), out)
+            if not self.ragged:
+                return self.head.target_logits(out[0])[None]
+            return self.head.target_logits(out)
+
+        grown = self.policy.grow_rows(root_logits, expand)
+        if self.ragged:  # drop drafted entries
+            self.past.set_row_lengths(self.verified, self.verified_t)
+        else:
+            self.past.crop(self.verified[0] - self.past.get_seq_length())
+        return grown.draft()
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         n = state.layers.shape[1]  # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)
-        self.pending = (state.layers, state.tokens[:, -n:])
+        self.pending = (state.layers, state.fresh_tokens() if self.ragged else state.tokens[:, -n:], state.fresh,
+                        state.fresh_t)
+
+    def keep_rows(self, leave) -> None:
+        self.verified = [self.verified[i] for i in leave.index]
+        self.verified_t = self.verified_t.index_select(0, leave.index_t)
+        self.past.move_rows(leave.src, leave.dst, len(leave.index))
+        self.past.set_row_lengths(self.verified, self.verified_t)
 

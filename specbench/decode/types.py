@@ -140,12 +140,16 @@ class TargetState:
         """[B] each row's hidden rows (those just written to the cache), on the device."""
         if self.fresh_t is not None:
             return self.fresh_t
-        return torch.full((self.rows,), self.hidden.shape[1], dtype=torch.long, device=self.tokens.device)
+        return torch.full((self.rows,), self._fresh_width(), dtype=torch.long, device=self.tokens.device)
+
+    def _fresh_width(self) -> int:
+        """n: the hidden rows' (or, for a drafter reading only `layers`, the layers' rows') padded count."""
+        return (self.hidden if self.hidden is not None else self.layers).shape[1]
 
     def fresh_tokens(self) -> torch.Tensor:
         """[B, n] each row's tokens of its hidden rows' entries shifted by one: row b's last fresh[b] verified tokens
         (the pairs (f_i, t_{i+1}) of EAGLE-style drafters), left-aligned as `hidden` (past fresh[b]: stale)."""
-        n = self.hidden.shape[1]
+        n = self._fresh_width()
         if self.lengths is None:
             return self.tokens[:, -n:]
         cols = self.num_tokens_rows()[:, None] - self.fresh_rows()[:, None] + torch.arange(n, device=self.tokens.device)
