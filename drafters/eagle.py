@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specbench.decode.drafter import HIDDEN, TrainableDrafter
+from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
 from drafters.trees import GrowingTree, Level, make_tree
@@ -141,7 +141,7 @@ class EagleOptions:
     vocab_counts: str | None = None  # their counts (specbench.vocab); None: token_counts.safetensors beside the weights
 
 
-class EagleDrafter(TrainableDrafter):
+class EagleDrafter(RowsDrafter, TrainableDrafter):
     name = "eagle"
     needs = frozenset({HIDDEN})
     Options = EagleOptions
@@ -229,17 +229,6 @@ class EagleDrafter(TrainableDrafter):
     # Every row of a batch drafts in the same forwards (the rows protocol): the head's cache holds one row per batch
     # row (ragged: each row's verified pairs, then its drafted entries, behind its own length), a level of the tree is
     # one forward over [A, n] nodes, and a lone row (batch 1) keeps the target's cache kind and the causal mask.
-    batched = True
-
-    def prefill(self, state: TargetState) -> None:
-        self.prefill_rows(state)
-
-    def propose(self, state: TargetState) -> DraftTree:
-        return self.propose_rows(state)
-
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        self.on_verified_rows([result], state)
-
     def prefill_rows(self, state: TargetState) -> None:
         self.ragged = state.lengths is not None
         config = self.head.body.config

@@ -51,7 +51,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
-from specbench.decode.drafter import LAYERS, TrainableDrafter
+from specbench.decode.drafter import LAYERS, RowsDrafter, TrainableDrafter
 from specbench.errors import SpecbenchError
 from specbench.decode.kvcache import PreallocatedLayer
 from specbench.decode.tree import batch_tree_mask, visible
@@ -359,7 +359,7 @@ def save_for_serving(head: Eagle3Head, target, out: Path, fmt: str, verifier: st
     return out
 
 
-class Eagle3Drafter(TrainableDrafter):
+class Eagle3Drafter(RowsDrafter, TrainableDrafter):
     name = "eagle3"
     needs = frozenset({LAYERS})
     Options = Eagle3Options
@@ -468,17 +468,6 @@ class Eagle3Drafter(TrainableDrafter):
     # Every row of a batch drafts in the same forwards (the rows protocol): the head's K, V in ragged rows (each row's
     # verified pairs, then its drafted entries, behind its own length), one step per tree level for all rows; a lone row
     # (batch 1) keeps model.cache's kind of layer and boolean masks.
-    batched = True
-
-    def prefill(self, state: TargetState) -> None:
-        self.prefill_rows(state)
-
-    def propose(self, state: TargetState) -> DraftTree:
-        return self.propose_rows(state)
-
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        self.on_verified_rows([result], state)
-
     def prefill_rows(self, state: TargetState) -> None:
         self.ragged = state.lengths is not None
         # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer;

@@ -66,14 +66,14 @@ def test_pruned_drafters_draft_inside_their_vocabulary_and_stay_lossless(name, t
     pruned = make_drafter(name, target, "+drafter.module.draft_vocab=8", f"+drafter.module.vocab_counts={path}")
     allowed = set(range(V - 15, V, 2))  # the 8 most frequent: 127, 125, ..., 113
     drafted: set[int] = set()
-    propose = pruned.propose
+    propose = pruned.propose_rows  # (the engine drives every drafter through the rows protocol)
 
     def spy(state):
         tree = propose(state)
         drafted.update(tree.tokens[0, 1:].tolist())  # node 0 is the root (a verified token)
         return tree
 
-    pruned.propose = spy
+    pruned.propose_rows = spy
     for prompt in PROMPTS:
         assert engine_greedy(target, pruned, prompt, 40) == hf_greedy(target.model, prompt, 40)
     assert drafted and drafted <= allowed

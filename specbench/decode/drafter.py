@@ -91,6 +91,22 @@ class Drafter(ABC):
         return None
 
 
+class RowsDrafter:
+    """A mixin for a drafter written for the rows protocol (put it before Drafter in the bases): its one-row methods
+    are its rows methods at one row."""
+
+    batched = True
+
+    def prefill(self, state: TargetState) -> None:
+        self.prefill_rows(state)
+
+    def propose(self, state: TargetState) -> DraftTree:
+        return self.propose_rows(state)
+
+    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+        self.on_verified_rows([result], state)
+
+
 class PerRow:
     """The rows protocol over a drafter that drafts one row at a time: a fork per row (Drafter.fork), each proposing
     for its row alone, their trees stacked into one padded DraftTree. What every drafter not yet batched runs
