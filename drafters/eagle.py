@@ -44,7 +44,6 @@ from drafters.trees import GrowingTree, Level, make_tree
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import decode
 from specbench.errors import SpecbenchError
-from specbench.decode.kvcache import PreallocatedCache
 from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 from specbench.decode.vocab import COUNTS_FILE, PrunedLMHead, pruned_lm_head
@@ -232,9 +231,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     def prefill_rows(self, state: TargetState) -> None:
         self.ragged = state.lengths is not None
         config = self.head.body.config
-        # ragged rows are written in place at their own lengths: a preallocated cache, whatever model.cache says
-        self.cache = (PreallocatedCache(config, state.cache_positions) if self.ragged else
-                      self.target.drafter_cache(config, state.cache_positions, self.head.body))
+        self.cache = self.target.drafter_cache(config, state.cache_positions, self.head.body, ragged=self.ragged)
         self.verified = [0] * state.rows  # pairs of verified tokens in the head's cache, per row
         self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
         # pairs (f_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]

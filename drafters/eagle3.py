@@ -53,7 +53,6 @@ from drafters.trees import GrowingTree, Level, make_tree
 from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
 from specbench.decode.drafter import LAYERS, RowsDrafter, TrainableDrafter
 from specbench.errors import SpecbenchError
-from specbench.decode.kvcache import PreallocatedLayer
 from specbench.decode.tree import batch_tree_mask, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 from specbench.decode.vocab import covering_size, frequent_ids
@@ -470,10 +469,8 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
     # (batch 1) keeps model.cache's kind of layer and boolean masks.
     def prefill_rows(self, state: TargetState) -> None:
         self.ragged = state.lengths is not None
-        # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer;
-        # ragged rows are written in place at their own lengths: a preallocated layer)
-        self.past = PreallocatedLayer(state.cache_positions) if self.ragged else self.target.drafter_kv(
-            state.cache_positions)
+        # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer)
+        self.past = self.target.drafter_kv(state.cache_positions, ragged=self.ragged)
         self.verified = [0] * state.rows
         self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
         # pairs (features_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]

@@ -29,7 +29,7 @@ from drafters.trees import GrowingTree, Level, make_tree
 from specbench.decode.checkpoints import resolve
 from specbench.decode.compiled import decode
 from specbench.errors import SpecbenchError
-from specbench.decode.kvcache import PreallocatedCache, StaticCache
+from specbench.decode.kvcache import StaticCache
 from specbench.decode.sampling import logits_to_probs, sample
 from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -269,7 +269,7 @@ class IndependentDrafter(TrainableDrafter):
         self.ragged = state.lengths is not None
         if not self.ragged:
             return self.prefill(state)
-        self.cache = PreallocatedCache(self.model.config, state.cache_positions)  # ragged rows: written in place
+        self.cache = self.new_cache(self.model.config, state.cache_positions, ragged=True)
         self.cached_rows = [0] * state.rows  # per row: tokens in its cache row
         self.cached_t = torch.zeros(state.rows, dtype=torch.long, device=state.tokens.device)
 

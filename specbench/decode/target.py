@@ -74,10 +74,14 @@ class TargetModel:
             return PreallocatedCache(self.model.config, capacity or 1024)
         return DynamicCache(config=self.model.config)
 
-    def drafter_cache(self, config, capacity: int, decoder: nn.Module | None = None) -> Cache:
+    def drafter_cache(self, config, capacity: int, decoder: nn.Module | None = None, ragged: bool = False) -> Cache:
         """A cache of the target's kind (model.cache) for a drafter's own decoder of `config` (EAGLE's head, sd's
         draft model): `capacity` positions, grown past them if it must. Compiled, for a drafter that names its
-        `decoder` and runs it through specbench.compiled.decode: that decoder's static cache (its graphs built on it)."""
+        `decoder` and runs it through specbench.compiled.decode: that decoder's static cache (its graphs built on it).
+        ragged: the rows of a batch, each written at its own length: a preallocated cache, whatever model.cache says
+        (as the engine's own for B > 1)."""
+        if ragged:
+            return PreallocatedCache(config, capacity)
         if self.drafter_decoders is not None and decoder is not None:
             # a static cache cannot grow: room for as much as the target's, which is sized to this generation
             held = self.compiled.capacity
@@ -86,12 +90,13 @@ class TargetModel:
             return PreallocatedCache(config, capacity)
         return DynamicCache(config=config)
 
-    def drafter_kv(self, capacity: int) -> CacheLayerMixin:
+    def drafter_kv(self, capacity: int, ragged: bool = False) -> CacheLayerMixin:
         """One attention layer's keys and values for a drafter that keeps them outside an HF decoder (EAGLE-3's
         mid-layer, Beagle's cross-attention keys, MoA's CA and TLI layers), of the target's kind (model.cache):
         transformers' DynamicLayer (a torch.cat per append) or a PreallocatedLayer of `capacity` positions (in-place
-        writes, grown past them if it must). Both: update(k, v) appends and returns the whole; crop(-n) drops n."""
-        if self.cache == "preallocated":
+        writes, grown past them if it must). Both: update(k, v) appends and returns the whole; crop(-n) drops n.
+        ragged (a batch's rows at their own lengths): a PreallocatedLayer whatever model.cache says."""
+        if ragged or self.cache == "preallocated":
             return PreallocatedLayer(capacity)
         return DynamicLayer()
 
@@ -176,11 +181,6 @@ def compact_rows(cache: PreallocatedCache, first: torch.Tensor, path: torch.Tens
         for layer in cache.layers:
             layer.move_entries(src.to(layer._k.device), dst.to(layer._k.device))
     cache.set_row_lengths([f + a for f, a in zip(firsts, accepted)], first + length)
-
-
-def row_kv(cache: Cache, row: int, length: int, device: torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """cache_kv of one batch row's `length` entries, [1, kv_heads, length, head_dim] per layer (batched decoding)."""
-    return [(k[row : row + 1, :, :length], v[row : row + 1, :, :length]) for k, v in cache_kv(cache, device)]
 
 
 def kv_per_token(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
