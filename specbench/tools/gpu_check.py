@@ -4,7 +4,8 @@ A GPU reaches this project rarely and briefly (a bare machine: torch and transfo
 downloaded: every target is built on the device from a Llama config with random weights.
 
   1. lossless: a tiny fp32 target; every drafter config (conf/drafter/*.yaml, untrained modules of the right shape)
-     decodes the prompts eager and compiled (model.compile), tokens equal to the target's own greedy output; and one
+     decodes the prompts eager, compiled (model.compile) and eager as one batch, tokens equal to the target's own
+     greedy output; and one
      T > 0 case: the first drafted step's token law against the target's exact one (a chi-square test);
   2. per real shape (random bf16 Llama-2-7B and Llama-3-8B, GQA; `--shapes`), one prompt of `--prompt` tokens and
      `--new` new tokens:
@@ -18,10 +19,15 @@ downloaded: every target is built on the device from a Llama config with random 
      - first pass against repeat: each eager drafter's steps timed on its first pass over the prompt and again after
        (the order-dependence of cuDNN's per-shape plans; the SDPA backends are fixed, `--sdpa`, and recorded);
      - the compiled baseline step's device time by kernel class (matmul, attention, norms and elementwise, copies)
-       and the idle gap between kernels (torch.profiler).
+       and the idle gap between kernels (torch.profiler);
+     - the batch sweep (`--batch-drafters`, `--batch-sizes`, eager): draft ms per step and per row-step, verify ms
+       per step, tokens/s, for B ragged prompts decoded together;
+     - transformers' generate last (its static cache compiles for a minute).
+  A deadline (`--deadline`, seconds) stops new parts from starting and records which were left out; the record is
+  written after every part, so a call cut short keeps what it measured.
   Writes results/gpu_check/<device>/gpu_check.json (versions, device, commit) and gpu_check.md.
 
-  python -m specbench.gpu_check                       # on a GPU: both shapes, every drafter (under 8 minutes on an H100)
+  python -m specbench.gpu_check                       # on a GPU: both shapes, every drafter, up to the deadline
   python -m specbench.gpu_check --cpu-form            # reduced shapes on the CPU (what `make test` runs)
 
 On a machine with no registry, bring the pinned pure-Python wheels (README "The GPU path"): transformers, tokenizers,
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -80,6 +87,27 @@ class Check:
     lossless: dict = field(default_factory=dict)  # "<drafter> eager|compiled" -> "ok" or what differed
     law: dict = field(default_factory=dict)  # the T > 0 test
     shapes: dict = field(default_factory=dict)  # per shape: its tables
+    skipped: list = field(default_factory=list)  # the parts the deadline left out, in order
+
+
+@dataclass
+class Budget:
+    """A lent GPU is held for minutes: the run checks its deadline before each part and leaves out (and records)
+    what would start past it, so one call always returns a record; `save` writes the record after every part, so a
+    call cut off by its limit still leaves what it measured."""
+
+    check: Check
+    deadline: float  # time.perf_counter() past which no part starts
+    save: Callable[[Check], None] = lambda check: None
+
+    def allows(self, part: str) -> bool:
+        if time.perf_counter() < self.deadline:
+            return True
+        self.check.skipped.append(part)
+        return False
+
+    def done(self) -> None:
+        self.save(self.check)
 
 
 def random_llama(shape: dict, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -142,6 +170,10 @@ def check_lossless(device: torch.device, names: list[str], new: int) -> dict:
             engine = Engine(target, make_drafter(name, target), SamplingParams())
             bad = [i for i, (p, ref) in enumerate(zip(TINY_PROMPTS, refs)) if engine.generate(p, new).new_tokens != ref]
             found[f"{name} {'compiled' if compiled else 'eager'}"] = "ok" if not bad else f"prompts {bad} differ"
+            if not compiled:  # the prompts decoded together (ragged rows): each row its greedy output
+                rows = Engine(target, make_drafter(name, target), SamplingParams()).generate_batch(TINY_PROMPTS, new).rows
+                bad = [i for i, (g, ref) in enumerate(zip(rows, refs)) if g.new_tokens != ref]
+                found[f"{name} batch"] = "ok" if not bad else f"rows {bad} differ"
     return found
 
 
@@ -283,8 +315,32 @@ def published_board() -> dict[str, dict]:
             for k, v in rows.items() if k in ours}
 
 
+def batch_costs(target: TargetModel, name: str, prompt: list[int], sizes, new: int) -> dict:
+    """One drafter eager at each batch size: B ragged prompts (the prompt cut by 0..7 tokens) decoded together, after
+    an untimed decode of the same batch; the step's draft and verify ms, the draft ms per row-step (the batch's draft
+    time over the rows drafted for), and throughput."""
+    out = {}
+    for b in sizes:
+        engine = Engine(target, make_drafter(name, target), SamplingParams())
+        prompts = [prompt[: len(prompt) - (i % 8)] for i in range(b)]
+        engine.generate_batch(prompts, 16)  # warm: this batch's kernels
+        got = engine.generate_batch(prompts, new)
+        # every step's draft time is added to each live row; the last row to finish took part in every step
+        draft, verify = max(g.draft_s for g in got.rows), max(g.verify_s for g in got.rows)
+        steps, row_steps = max(1, got.steps), max(1, sum(got.active))
+        out[str(b)] = {"draft_ms_per_step": 1e3 * draft / steps, "verify_ms_per_step": 1e3 * verify / steps,
+                       "draft_ms_per_row_step": 1e3 * draft / row_steps, "tokens_per_s": got.tokens_per_s,
+                       "steps": got.steps, "tau": sum(g.tau for g in got.rows) / b}
+    return out
+
+
 def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtype, names: list[str],
-                prompt_len: int, new: int, repeats: int, tree_sizes=TREE_SIZES) -> dict:
+                prompt_len: int, new: int, repeats: int, budget: Budget, tree_sizes=TREE_SIZES,
+                batch_names: tuple[str, ...] = (), batch_sizes: tuple[int, ...] = ()) -> dict:
+    """The tables of one real shape, filled part by part into budget.check.shapes[label] (saved after each part):
+    the ms-per-token paths, verify against tree size, the compiled step's profile, the drafters eager and compiled,
+    the batch sweep, transformers' generate."""
+    row = budget.check.shapes.setdefault(label, {})
     model = random_llama(shape, dtype, device)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, shape["vocab_size"], (prompt_len,), generator=g).tolist()
@@ -294,8 +350,8 @@ def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtyp
 
     wbytes = sum(w.numel() * w.element_size() for w in weight_matrices(base))
     bw = bandwidth_gbs(device)
-    row = {"weight_bytes": wbytes, "bandwidth_gbs": bw, "ms_per_token": {"HBM floor": 1e3 * wbytes / (bw * 1e9),
-                                                                          "bare F.linear": bare_ms(base, repeats)}}
+    row |= {"weight_bytes": wbytes, "bandwidth_gbs": bw, "ms_per_token": {"HBM floor": 1e3 * wbytes / (bw * 1e9),
+                                                                           "bare F.linear": bare_ms(base, repeats)}}
     targets = {"eager, dynamic cache": base,
                "eager, preallocated cache": TargetModel(model, None, device, label, cache="preallocated"),
                "compiled": TargetModel(model, None, device, label, compile=True)}
@@ -303,19 +359,22 @@ def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtyp
         engine = Engine(target, NoDrafter(), SamplingParams())
         engine.generate(prompt, new)  # warm: kernels, plans, graphs
         row["ms_per_token"][f"ours, {path}"] = min(per_token_ms(engine.generate(prompt, new)) for _ in range(repeats))
-    ids = torch.tensor([prompt], device=device)
-    for static in (False, True):
-        row["ms_per_token"][f"transformers generate, {'static cache compiled' if static else 'eager'}"] = \
-            hf_generate_ms(model, ids, new, static, devs, repeats)
-    row["verify_ms"] = {k: verify_ms(targets[k], prompt, tree_sizes, repeats)
-                        for k in ("eager, dynamic cache", "compiled")}
-    row["profile_compiled"] = kernel_profile(Engine(targets["compiled"], NoDrafter(), SamplingParams()), prompt,
-                                             min(new, 32))
+    budget.done()
+    if budget.allows(f"{label} verify"):
+        row["verify_ms"] = {k: verify_ms(targets[k], prompt, tree_sizes, repeats)
+                            for k in ("eager, dynamic cache", "compiled")}
+        budget.done()
+    if budget.allows(f"{label} profile"):
+        row["profile_compiled"] = kernel_profile(Engine(targets["compiled"], NoDrafter(), SamplingParams()), prompt,
+                                                 min(new, 32))
+        budget.done()
     board = published_board()
     base_ms = {"eager": row["ms_per_token"]["ours, eager, dynamic cache"], "compiled": row["ms_per_token"]["ours, compiled"]}
-    drafters, first = {}, {}
+    drafters, first = row.setdefault("drafters", {}), row.setdefault("first_pass", {})
     for name in names:
         for mode, target in (("eager", targets["eager, dynamic cache"]), ("compiled", targets["compiled"])):
+            if not budget.allows(f"{label} {name} {mode}"):
+                continue
             engine = Engine(target, make_drafter(name, target), SamplingParams())
             engine.generate(prompt, 16)  # the drafter's first-call set-up
             cold = engine.generate(prompt, new)
@@ -330,7 +389,18 @@ def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtyp
                 c = step_ms(cold)
                 first[name] = {"first": c, "repeat": cost, "ratio": (c["draft"] + c["verify"]) /
                                max(1e-9, cost["draft"] + cost["verify"])}
-    row["drafters"], row["first_pass"] = drafters, first
+            budget.done()
+    batch = row.setdefault("batch", {})
+    for name in batch_names:
+        if budget.allows(f"{label} batch {name}"):
+            batch[name] = batch_costs(targets["eager, dynamic cache"], name, prompt, batch_sizes, new)
+            budget.done()
+    ids = torch.tensor([prompt], device=device)
+    for static in (False, True):
+        path = f"transformers generate, {'static cache compiled' if static else 'eager'}"
+        if budget.allows(f"{label} {path}"):
+            row["ms_per_token"][path] = hf_generate_ms(model, ids, new, static, devs, repeats)
+            budget.done()
     del targets, base, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -352,50 +422,74 @@ def markdown(check: Check) -> str:
                     f"samples): chi2 {law['chi2']:.1f} on {law['df']} df, p = {law['p_value']:.3g} "
                     f"({'ok' if law['ok'] else 'REJECTED'})"]
     for label, row in check.shapes.items():
+        if "ms_per_token" not in row:
+            continue
         out += ["", f"## {label} (random weights, {row['weight_bytes'] / 1e9:.2f} GB of weight matrices, measured "
                     f"bandwidth {row['bandwidth_gbs']:.0f} GB/s)", "", "| path | ms per token |", "|---|---|"]
         out += [f"| {k} | {v:.2f} |" for k, v in row["ms_per_token"].items()]
-        sizes = list(next(iter(row["verify_ms"].values())))
-        out += ["", "| verify ms, chain of n | " + " | ".join(map(str, sizes)) + " |", "|---|" + "---|" * len(sizes)]
-        out += [f"| {k} | " + " | ".join(f"{v[n]:.2f}" for n in sizes) + " |" for k, v in row["verify_ms"].items()]
-        out += ["", "| drafter, path | draft ms | verify ms | other ms | published τ | predicted | published |",
-                "|---|---|---|---|---|---|---|"]
-        for k, c in row["drafters"].items():
-            pred = f"{c['predicted_speedup']:.2f}x" if "predicted_speedup" in c else "–"
-            out.append(f"| {k} | {c['draft']:.2f} | {c['verify']:.2f} | {c['other']:.2f} | "
-                       f"{c.get('published_tau', '–')} | {pred} | "
-                       f"{(str(c['published_speedup']) + 'x') if 'published_speedup' in c else '–'} |")
-        out += ["", "| drafter (eager) | first pass draft / verify ms | repeat | first / repeat |", "|---|---|---|---|"]
-        out += [f"| {k} | {v['first']['draft']:.2f} / {v['first']['verify']:.2f} | {v['repeat']['draft']:.2f} / "
-                f"{v['repeat']['verify']:.2f} | {v['ratio']:.2f} |" for k, v in row["first_pass"].items()]
-        prof = row["profile_compiled"]
-        out += ["", f"Compiled baseline step by kernel class (ms per token, wall {prof['wall_ms_per_token']:.2f}): "
-                + ", ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_token"].items())
-                + f", idle {prof['idle_ms_per_token']:.2f}"]
+        if row.get("verify_ms"):
+            sizes = list(next(iter(row["verify_ms"].values())))
+            out += ["", "| verify ms, chain of n | " + " | ".join(map(str, sizes)) + " |",
+                    "|---|" + "---|" * len(sizes)]
+            out += [f"| {k} | " + " | ".join(f"{v[n]:.2f}" for n in sizes) + " |" for k, v in row["verify_ms"].items()]
+        if row.get("drafters"):
+            out += ["", "| drafter, path | draft ms | verify ms | other ms | published τ | predicted | published |",
+                    "|---|---|---|---|---|---|---|"]
+            for k, c in row["drafters"].items():
+                pred = f"{c['predicted_speedup']:.2f}x" if "predicted_speedup" in c else "–"
+                out.append(f"| {k} | {c['draft']:.2f} | {c['verify']:.2f} | {c['other']:.2f} | "
+                           f"{c.get('published_tau', '–')} | {pred} | "
+                           f"{(str(c['published_speedup']) + 'x') if 'published_speedup' in c else '–'} |")
+        if row.get("first_pass"):
+            out += ["", "| drafter (eager) | first pass draft / verify ms | repeat | first / repeat |",
+                    "|---|---|---|---|"]
+            out += [f"| {k} | {v['first']['draft']:.2f} / {v['first']['verify']:.2f} | {v['repeat']['draft']:.2f} / "
+                    f"{v['repeat']['verify']:.2f} | {v['ratio']:.2f} |" for k, v in row["first_pass"].items()]
+        if row.get("batch"):
+            out += ["", "| drafter (eager), B | draft ms / step | draft ms / row-step | verify ms / step | tokens/s | τ |",
+                    "|---|---|---|---|---|---|"]
+            out += [f"| {name}, {b} | {c['draft_ms_per_step']:.2f} | {c['draft_ms_per_row_step']:.2f} | "
+                    f"{c['verify_ms_per_step']:.2f} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} |"
+                    for name, per_b in row["batch"].items() for b, c in per_b.items()]
+        prof = row.get("profile_compiled")
+        if prof:
+            out += ["", f"Compiled baseline step by kernel class (ms per token, wall {prof['wall_ms_per_token']:.2f}): "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in prof["ms_per_token"].items())
+                    + f", idle {prof['idle_ms_per_token']:.2f}"]
+    if check.skipped:
+        out += ["", f"Left out at the deadline ({h.get('deadline_s')} s): " + ", ".join(check.skipped)]
     return "\n".join(out) + "\n"
 
 
-def run(args) -> Check:
+def run(args, save=lambda check: None) -> Check:
     device = torch.device("cpu" if args.cpu_form else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu-check: no CUDA device here (--cpu-form runs the reduced check on the CPU)")
     dtype = torch.float32 if args.cpu_form else torch.bfloat16
     names = args.drafters.split(",") if args.drafters else drafter_names()
+    timed_names = args.timed_drafters.split(",") if args.timed_drafters else names
     shapes = CPU_SHAPES if args.cpu_form else SHAPES
     header = {"command": "python -m specbench.gpu_check " + " ".join(args.argv), "git": envinfo.git_commit(),
               "date": envinfo.now_utc(), "versions": envinfo.versions(), "device": envinfo.device_info(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else envinfo.cpu_name(),
-              "dtype": str(dtype).removeprefix("torch."), "sdpa": args.sdpa, "drafters": names}
+              "dtype": str(dtype).removeprefix("torch."), "sdpa": args.sdpa, "drafters": names,
+              "deadline_s": args.deadline}
     check = Check(header)
+    budget = Budget(check, time.perf_counter() + args.deadline, save)
     with sdpa_context(args.sdpa, device), torch.inference_mode():
         t0 = time.perf_counter()
         check.lossless = check_lossless(device, names, args.tiny_new)
         check.law = check_law(device, args.law_drafter, args.law_samples)
+        budget.done()
         print(f"lossless + law: {time.perf_counter() - t0:.0f} s", flush=True)
         for label in args.shapes.split(","):
+            if not budget.allows(label):
+                continue
             t0 = time.perf_counter()
-            check.shapes[label] = check_shape(label, shapes[label], device, dtype, names, args.prompt, args.new,
-                                              args.repeats, tuple(int(n) for n in args.tree_sizes.split(",")))
+            check_shape(label, shapes[label], device, dtype, timed_names, args.prompt, args.new, args.repeats, budget,
+                        tuple(int(n) for n in args.tree_sizes.split(",")),
+                        tuple(n for n in args.batch_drafters.split(",") if n),
+                        tuple(int(n) for n in args.batch_sizes.split(",")))
             print(f"{label}: {time.perf_counter() - t0:.0f} s", flush=True)
     return check
 
@@ -403,7 +497,7 @@ def run(args) -> Check:
 def write(check: Check, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "gpu_check.json", {"header": check.header, "lossless": check.lossless, "law": check.law,
-                                               "shapes": check.shapes})
+                                               "shapes": check.shapes, "skipped": check.skipped})
     atomic_write_text(out / "gpu_check.md", markdown(check))
     return out
 
@@ -416,6 +510,12 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--cpu-form", action="store_true", help="reduced shapes on the CPU (make test's form)")
     p.add_argument("--shapes", default="llama2-7b,llama3-8b")
     p.add_argument("--drafters", default="", help="comma-separated (default: every conf/drafter config)")
+    p.add_argument("--timed-drafters", default="", help="the drafters timed on the real shapes (default: --drafters)")
+    p.add_argument("--batch-drafters", default="none,pld,medusa,eagle2",
+                   help="the drafters of the batch sweep on the real shapes (eager), comma-separated; empty: none")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--deadline", type=float, default=420.0,
+                   help="seconds after which no part starts (the parts left out are recorded)")
     p.add_argument("--prompt", type=int, default=100, help="prompt tokens of the timed decodes")
     p.add_argument("--new", type=int, default=128, help="new tokens of the timed decodes")
     p.add_argument("--repeats", type=int, default=3)
@@ -433,9 +533,10 @@ def parse(argv: list[str] | None = None):
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse(argv)
-    check = run(args)
-    name = check.header["device_name"].replace(" ", "_").replace("/", "_")
-    out = write(check, Path(args.out) if args.out else envinfo.REPO / "results" / "gpu_check" / name)
+    name = (torch.cuda.get_device_name() if not args.cpu_form and torch.cuda.is_available() else envinfo.cpu_name())
+    out = Path(args.out) if args.out else envinfo.REPO / "results" / "gpu_check" / name.replace(" ", "_").replace("/", "_")
+    check = run(args, save=lambda check: write(check, out))
+    write(check, out)
     print(markdown(check))
     print(f"written: {out}")
     return out
