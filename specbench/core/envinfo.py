@@ -23,10 +23,12 @@ def git_commit() -> dict[str, str | bool | None]:
 
     # results/ holds outputs (records, regenerated tables): a table rewritten by the last `make figures` is not a
     # change to the code that made a run
+    if os.environ.get("SPECBENCH_GIT_COMMIT"):  # a copy of the tree (a cluster node, a GPU box): the commit it was
+        return {"commit": os.environ["SPECBENCH_GIT_COMMIT"], "dirty": None}  # copied from (its .git may be stale)
     status = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     commit = git("rev-parse", "HEAD")
-    if commit is None:  # a copy of the tree without .git (a cluster node, a GPU box): the commit it was copied from
-        return {"commit": os.environ.get("SPECBENCH_GIT_COMMIT"), "dirty": None}
+    if commit is None:
+        return {"commit": None, "dirty": None}
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
