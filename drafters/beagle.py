@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specbench.decode.drafter import HIDDEN, TrainableDrafter
+from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import CrossAttentionBlock
 from drafters.trees import GrowingTree, Level, make_tree
-from specbench.decode.tree import in_block, up_to_start, visible
+from specbench.decode.tree import batch_tree_mask, in_block, up_to_start, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
@@ -91,7 +91,7 @@ class BeagleOptions:
     vloss_scaled: bool = False  # true: vloss also takes the CE's k / beta* (this project's weighting before 2026-11-24)
 
 
-class BeagleDrafter(TrainableDrafter):
+class BeagleDrafter(RowsDrafter, TrainableDrafter):
     name = "beagle"
     needs = frozenset({HIDDEN})
     Options = BeagleOptions
@@ -103,9 +103,11 @@ class BeagleDrafter(TrainableDrafter):
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.concat = concat
         self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
-        self.kv = None  # K, V [1, nkv, L, dh]: true states, then (while drafting) predicted ones
-        self.verified = 0
-        self.pending: torch.Tensor | None = None  # true states not yet in the cache [1, n, H]
+        self.kv = None  # K, V [A, nkv, L, dh]: true states, then (while drafting) predicted ones
+        self.verified = [0]  # true states in the cache, per batch row
+        self.ragged = False  # a batch's ragged rows: the K/V layer in ragged rows
+        # (true states not yet in the cache [A, n, H], each row's count of them: host [A] and device [A])
+        self.pending: tuple[torch.Tensor, list[int] | None, torch.Tensor | None] | None = None
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
@@ -181,10 +183,16 @@ class BeagleDrafter(TrainableDrafter):
         return torch.stack(out)
 
     # ---- decoding side -------------------------------------------------------------------------------------------
-    def prefill(self, state: TargetState) -> None:
-        self.kv = self.new_kv(state.cache_positions)
-        self.verified = 0
-        self.pending = state.hidden  # true states of positions 0 .. L-1; the root t_L has none yet
+    # Every row of a batch drafts in the same forwards (the rows protocol): the block's K/V layer holds one row per
+    # batch row (ragged: each row's verified states, then its drafted ones, behind its own length), a level of the tree
+    # is one forward over [A, n] nodes, and a lone row (batch 1) keeps the target's cache kind and a boolean mask.
+    def prefill_rows(self, state: TargetState) -> None:
+        self.ragged = state.lengths is not None
+        self.kv = self.new_kv(state.cache_positions, ragged=self.ragged)
+        self.verified = [0] * state.rows  # true states in the cache, per row
+        self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
+        # true states of positions 0 .. L-1 (row b's first fresh[b]); the root t_L has none yet
+        self.pending = (state.hidden, state.fresh, state.fresh_t)
 
     def _append(self, states: torch.Tensor, pos: torch.Tensor) -> None:
         k, v = self.block.keys(states.to(self.block.q_proj.weight.dtype), pos)
@@ -193,39 +201,67 @@ class BeagleDrafter(TrainableDrafter):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h.to(self.lm_head.weight.dtype))
 
+    def _allowed(self, seen: torch.Tensor) -> torch.Tensor:
+        """Rows seeing each row's verified states and the drafted slots seen [A, R, S] behind them."""
+        if not self.ragged:
+            return visible(seen[0], self.verified[0])  # [1, 1, R, V+S] bool
+        width = max(self.verified) + seen.shape[-1]
+        return batch_tree_mask(seen, self.verified_t, width, self.block.q_proj.weight.dtype)  # [A, 1, R, W]
+
     @torch.inference_mode()
-    def propose(self, state: TargetState) -> DraftTree:
-        n = self.pending.shape[1]
-        self._append(self.pending, torch.arange(self.verified, self.verified + n, device=self.device)[None])
-        self.verified += n
-        root_pos = self.verified  # the root token's position
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        states, fresh, fresh_t = self.pending
+        a, n = states.shape[:2]
+        dev = self.device
+        if self.ragged:
+            self.kv.set_row_lengths(self.verified, self.verified_t)
+        self._append(states, self.verified_t[:, None] + torch.arange(n, device=dev))
+        if self.ragged:  # (a row's padding states: stale)
+            self.verified = [v + k for v, k in zip(self.verified, fresh)]
+            self.verified_t = self.verified_t + fresh_t
+            self.kv.set_row_lengths(self.verified, self.verified_t)
+        else:
+            self.verified = [self.verified[0] + n]
+            self.verified_t = self.verified_t + n
+        root_pos = self.verified_t  # [A] each root token's position
+        root_tok = state.tokens.gather(1, state.num_tokens_rows()[:, None] - 1)  # [A, 1] the last verified token
         # the predicted states' drafted cache entries ("concate" only): slot 0 is the root's, seen by every node
-        book = GrowingTree(self.policy.max_nodes, self.device, root_slot=True) if self.concat else None
+        book = GrowingTree(self.policy.max_nodes, dev, root_slot=True, trees=a) if self.concat else None
 
         def run(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
-            """tokens [R] at position root_pos + depth, each row seeing the verified states and its drafted slots
-            seen [R, S] -> predicted states [R, H] (appended to the cache in "concate" mode)."""
-            allowed = visible(seen, self.verified)  # [1, 1, R, K]
-            p = torch.full((1, tokens.shape[0]), root_pos + depth, device=self.device)
-            h = self.block(self.embed(tokens[None]).to(self.block.q_proj.weight.dtype), p, allowed, kv=(self.kv.keys, self.kv.values))
+            """tokens [A, R] at position root_pos + depth, each row seeing its verified states and its drafted slots
+            seen [A, R, S] -> predicted states [A, R, H] (appended to the cache in "concate" mode)."""
+            p = (root_pos + depth)[:, None].expand(a, tokens.shape[1])
+            h = self.block(self.embed(tokens).to(self.block.q_proj.weight.dtype), p, self._allowed(seen),
+                           kv=(self.kv.keys, self.kv.values))
             if self.concat:
                 self._append(h, p)
-            return h[0]
+            return h
 
-        none_seen = torch.zeros(1, 0, dtype=torch.bool, device=self.device)
-        h_root = run(state.tokens[0, -1:], none_seen, 0)
+        h_root = run(root_tok, torch.zeros(a, 1, 0, dtype=torch.bool, device=dev), 0)  # [A, 1, H]
 
         def expand(level: Level) -> torch.Tensor:
             # strictly earlier: a node's drafted ancestors and the root, never itself (none without "concate")
-            seen = book.ancestors(level.parents) if self.concat else none_seen.expand(level.nodes.shape[0], 0)
+            seen = (book.ancestors(level.parents) if self.concat
+                    else torch.zeros(*level.nodes.shape, 0, dtype=torch.bool, device=dev))
             h = run(level.tokens, seen, level.depth)
             if self.concat:
                 book.add(level.nodes, level.parents)  # their states were appended, in node order
-            return self._logits(h)
+            return self._logits(h[0])[None] if not self.ragged else self._logits(h)
 
-        grown = self.policy.grow(self._logits(h_root[0]), expand)
-        self.kv.crop(self.verified - self.kv.get_seq_length())  # drop drafted states
+        root_logits = self._logits(h_root[0, 0])[None] if not self.ragged else self._logits(h_root[:, 0])
+        grown = self.policy.grow_rows(root_logits, expand)
+        if self.ragged:  # drop drafted states
+            self.kv.set_row_lengths(self.verified, self.verified_t)
+        else:
+            self.kv.crop(self.verified[0] - self.kv.get_seq_length())
         return grown.draft()
 
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        self.pending = state.hidden  # true states of the root and the accepted path
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        self.pending = (state.hidden, state.fresh, state.fresh_t)  # true states of the root and the accepted path
+
+    def keep_rows(self, leave) -> None:
+        self.verified = [self.verified[i] for i in leave.index]
+        self.verified_t = self.verified_t.index_select(0, leave.index_t)
+        self.kv.move_rows(leave.src, leave.dst, len(leave.index))
+        self.kv.set_row_lengths(self.verified, self.verified_t)

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from specbench.errors import SpecbenchError
+
 
 def one_layer_decoder(target, **overrides) -> nn.Module:
     """A one-layer decoder of the target's architecture (its attention, positions, MLP; config `overrides`), fed
@@ -75,13 +77,18 @@ class CrossAttentionBlock(nn.Module):
         return y + self.mlp(self.post_norm(y))
 
 
-def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
-                 allowed: torch.Tensor):
+def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor | None,
+                 past_v: torch.Tensor | None, allowed: torch.Tensor, into=None):
     """One frozen target decoder layer (Llama family) on new rows x [B, Q, H] at pos [B, Q], over cached K/V
     [B, nkv, P, dh] and the rows' own; allowed [B, 1, Q, P+Q] bool -> (out [B, Q, H], K, V of the rows), on x's
-    device. Under a device map the layer may sit on another GPU: it computes there (its inputs go to it)."""
+    device. Under a device map the layer may sit on another GPU: it computes there (its inputs go to it).
+    into: a cache layer (ragged rows) that the rows' K, V are written into (each row behind its own entries) and whose
+    whole buffer is attended over, instead of past_k / past_v with the rows' own appended; allowed then spans it."""
     home, there = x.device, layer.self_attn.q_proj.weight.device
     if there != home:
+        if into is not None:
+            raise SpecbenchError("a target layer on another device than its drafter's cache rows (a device map) "
+                                 "drafts one row at a time: decoding.batch_size=1")
         go = lambda t: t.to(there)  # noqa: E731
         out, k, v = target_layer(layer, rotary, go(x), go(pos), go(past_k), go(past_v), go(allowed))
         return out.to(home), k.to(home), v.to(home)
@@ -94,7 +101,10 @@ def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torc
     v = attn.v_proj(h).view(b, n, -1, dh).transpose(1, 2)
     cos, sin = rotary(x, pos)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    keys, vals = torch.cat([past_k, k.to(past_k.dtype)], 2), torch.cat([past_v, v.to(past_v.dtype)], 2)
+    if into is not None:
+        keys, vals = into.update(k.to(x.dtype), v.to(x.dtype))
+    else:
+        keys, vals = torch.cat([past_k, k.to(past_k.dtype)], 2), torch.cat([past_v, v.to(past_v.dtype)], 2)
     o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=allowed, scale=attn.scaling,
                                        enable_gqa=q.shape[1] != keys.shape[1])
     x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))

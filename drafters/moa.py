@@ -70,7 +70,7 @@ from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import target_layer
 from drafters.trees import GrowingTree, Level, make_tree
 from specbench.decode.target import kv_per_token
-from specbench.decode.tree import additive, tree_attention_mask, visible
+from specbench.decode.tree import additive, batch_tree_mask, tree_attention_mask, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
@@ -291,6 +291,7 @@ class MoADrafter(TrainableDrafter):
         if self.tli_context not in TLI_CONTEXT:
             raise SpecbenchError(f"moa tli_context={self.tli_context!r} is not one of {', '.join(TLI_CONTEXT)}")
         self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
+        self.ragged = False  # a batch's ragged rows (prefill_rows with several): the rows protocol's caches
         self.reset()
 
     def reset(self) -> None:
@@ -522,6 +523,129 @@ class MoADrafter(TrainableDrafter):
 
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         pass  # everything the next cycle needs is read from state.kv / state.tokens in propose
+
+    # ---- the rows protocol: every row of a batch in the same forwards ---------------------------------------------
+    # Batch 1 is the one-row path above (its records unchanged). Ragged rows (B > 1): the CA, SA and TLI caches hold
+    # one row per batch row, each at its own length (`_acts` activations, `_sa` SA entries: host lists and device
+    # tensors); the new activations, the new verified tokens' SA and each tree level are one forward for all rows
+    # (padded to the longest row; a row's padding entries are written, then left stale behind its length).
+    batched = True
+
+    def prefill_rows(self, state: TargetState) -> None:
+        self.ragged = state.lengths is not None
+        if not self.ragged:
+            return self.prefill(state)
+        self.reset()
+        size, a = state.cache_positions, state.rows
+        self.ca_kv = self.new_kv(size, ragged=True)
+        self.sa_cache = Cache(layers=[self.new_kv(size, ragged=True)])
+        self.tli_kv = [self.new_kv(size, ragged=True) for _ in range(self.net.tli)]
+        zeros = torch.zeros(a, dtype=torch.long, device=self.device)
+        self._acts, self._acts_t = [0] * a, zeros  # activations in ca_kv and in the TLI caches, per row
+        self._sa, self._sa_t = [0] * a, zeros.clone()  # verified tokens in the SA cache, per row
+
+    def _set_lengths(self, sa: bool = True) -> None:
+        """Every cache's rows back at their verified lengths (drafted entries dropped)."""
+        for cached in (self.ca_kv, *self.tli_kv):
+            cached.set_row_lengths(self._acts, self._acts_t)
+        if sa:
+            self.sa_cache.layers[0].set_row_lengths(self._sa, self._sa_t)
+
+    def _absorb_rows(self, state: TargetState) -> None:
+        """_absorb for ragged rows: row b's cached columns acts[b] .. lengths[b] - 2 of every layer, padded to the
+        widest row: one LSA forward, one CA key write, one write per TLI cache."""
+        now = [t - 1 for t in state.lengths]  # the target's cached entries per row
+        m = max(n - c for n, c in zip(now, self._acts))
+        if m <= 0:
+            return
+        width = state.kv[0][0].shape[2]
+        cols = (self._acts_t[:, None] + torch.arange(m, device=self.device)).clamp(max=width - 1)  # [A, m]
+        a = cols.shape[0]
+
+        def take(x: torch.Tensor) -> torch.Tensor:  # [A, nkv, W, dh] -> the rows' new columns [A, nkv, m, dh]
+            return x.gather(2, cols[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+        new = [(take(k), take(v)) for k, v in state.kv]
+        per_layer = torch.stack([kv_per_token(k, v) for k, v in new], 2)  # [A, m, L, 2E_kv]
+        acts = self.net.lsa(per_layer.flatten(0, 1).to(self._wdt())).view(a, m, -1)  # [A, m, E]
+        pos = self._acts_t[:, None] + torch.arange(m, device=self.device)
+        self._set_lengths(sa=False)
+        k, v = self.net.cross_attention.keys(acts, pos)
+        self.ca_kv.update(k, v)
+        for cached, (k, v) in zip(self.tli_kv, new[len(new) - self.net.tli :]):
+            cached.update(k, v)
+        self._acts, self._acts_t = now, state.num_tokens_rows() - 1
+        self._set_lengths(sa=False)
+
+    def _rows_batch(self, tokens: torch.Tensor, pos: torch.Tensor, sa_seen: torch.Tensor,
+                    tli_seen: torch.Tensor) -> torch.Tensor:
+        """_rows for ragged rows: tokens [A, R] at positions pos [A] (each row's), sa_seen [A, R, S], tli_seen
+        [A, R, S'] as there -> logits [A, R, V]."""
+        wdt = self._wdt()
+        a, r = tokens.shape
+        p = pos[:, None].expand(a, r)
+        sa_mask = batch_tree_mask(sa_seen, self._sa_t, max(self._sa) + sa_seen.shape[-1], wdt)
+        q = self.net.sa(self.embed(tokens).to(wdt), p, sa_mask, self.sa_cache)
+        none = torch.zeros(a, r, 0, dtype=torch.bool, device=self.device)
+        ca_allowed = batch_tree_mask(none, self._acts_t, max(self._acts), wdt)  # every activation of the row
+        x = self.net.cross_attention(q, p, ca_allowed, (self.ca_kv.keys, self.ca_kv.values))
+        if self.net.tli and self.tli_context == "none":  # as in _rows: itself only
+            itself = torch.eye(r, dtype=torch.bool, device=self.device)[None, None]
+            for cached, layer in zip(self.tli_kv, self.tli_layers):
+                kc, vc = cached.keys[:, :, :0], cached.values[:, :, :0]
+                x, _, _ = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, itself)
+            x = self.final_norm(x)
+        elif self.net.tli:
+            for cached, layer in zip(self.tli_kv, self.tli_layers):
+                dtype = cached.keys.dtype
+                allowed = batch_tree_mask(tli_seen, self._acts_t, max(self._acts) + tli_seen.shape[-1], dtype)
+                # the rows' K, V written behind each row's own entries, attention over the whole buffer
+                x, _, _ = target_layer(layer, self.rotary, x.to(dtype), p, None, None, allowed, into=cached)
+            x = self.final_norm(x)
+        return self.lm_head(x.to(self.lm_head.weight.dtype))
+
+    @torch.inference_mode()
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        if not self.ragged:
+            return self.propose(state)
+        wdt, dev = self._wdt(), self.device
+        self._absorb_rows(state)
+        lengths_t = state.num_tokens_rows()  # [A] verified tokens, the root last
+        a = lengths_t.shape[0]
+        m = max(t - 1 - s for t, s in zip(state.lengths, self._sa))
+        if m > 0:  # each row's new verified tokens (the root excluded), causal, after its cached ones
+            cols = self._sa_t[:, None] + torch.arange(m, device=dev)  # [A, m]
+            toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
+            causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril().expand(a, m, m)
+            self.net.sa(self.embed(toks).to(wdt), cols,
+                        batch_tree_mask(causal, self._sa_t, max(self._sa) + m, wdt), self.sa_cache)
+            self._sa, self._sa_t = [t - 1 for t in state.lengths], lengths_t - 1
+            self.sa_cache.layers[0].set_row_lengths(self._sa, self._sa_t)
+        root_pos = lengths_t - 1
+        ones = torch.ones(a, 1, 1, dtype=torch.bool, device=dev)  # the root sees itself (SA) and its TLI slot
+        root_logits = self._rows_batch(state.tokens.gather(1, root_pos[:, None]), root_pos, ones, ones)[:, 0]
+        self._sa, self._sa_t = list(state.lengths), lengths_t  # the root is a verified token: its SA entry stays
+        book = GrowingTree(self.policy.max_nodes, dev, trees=a)  # slots: the drafted SA entries
+
+        def expand(level: Level) -> torch.Tensor:
+            sa_seen = book.add(level.nodes, level.parents)  # [A, m, S]
+            tli_seen = torch.cat([sa_seen.new_ones(*sa_seen.shape[:2], 1), sa_seen], -1)
+            return self._rows_batch(level.tokens, root_pos + level.depth, sa_seen, tli_seen)
+
+        grown = self.policy.grow_rows(root_logits, expand)
+        self._set_lengths()  # drop drafted entries
+        return grown.draft()
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        pass  # as on_verified
+
+    def keep_rows(self, leave) -> None:
+        keep = len(leave.index)
+        for cached in (self.ca_kv, self.sa_cache.layers[0], *self.tli_kv):
+            cached.move_rows(leave.src, leave.dst, keep)
+        self._acts, self._sa = [self._acts[i] for i in leave.index], [self._sa[i] for i in leave.index]
+        self._acts_t, self._sa_t = self._acts_t.index_select(0, leave.index_t), self._sa_t.index_select(0, leave.index_t)
+        self._set_lengths()
 
 
 # ---- the authors' published layout -----------------------------------------------------------------------------------

@@ -88,6 +88,26 @@ class RandomTreeDrafter(Drafter):
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         pass
 
+    # the rows protocol (a test double: row by row in Python, each row's tree as at batch 1, the RNG shared in row
+    # order; a row samples from its own generator)
+    batched = True
+
+    def prefill_rows(self, state: TargetState) -> None:
+        self.prompt_lens = [n - 1 for n in (state.lengths or [state.num_tokens] * state.rows)]
+
+    def propose_rows(self, state: TargetState) -> DraftTree:
+        trees = []
+        for r, n in enumerate(self.prompt_lens):
+            self.prompt_len = n
+            trees.append(self.propose(state.row(r)) if state.lengths is not None else self.propose(state))
+        return DraftTree.stack(trees)
+
+    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+        pass
+
+    def keep_rows(self, leave) -> None:
+        self.prompt_lens = [self.prompt_lens[i] for i in leave.index]
+
 
 def engine_greedy(target: TargetModel, drafter: Drafter, prompt: list[int], max_new_tokens: int) -> list[int]:
     return Engine(target, drafter, SamplingParams()).generate(prompt, max_new_tokens).new_tokens

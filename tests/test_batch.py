@@ -27,13 +27,20 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 @pytest.mark.parametrize("name", DRAFTER_CONFIGS)
 def test_every_drafter_batched_is_lossless_per_row(name):
     t = target_for()
-    batch = Engine(t, make_drafter(name, t), SamplingParams()).generate_batch(PROMPTS, BUDGETS)
-    single = Engine(t, make_drafter(name, t), SamplingParams())
+    batch = Engine(t, make_drafter(name, t), SamplingParams(), trace=True).generate_batch(PROMPTS, BUDGETS)
+    single = Engine(t, make_drafter(name, t), SamplingParams(), trace=True)
     for prompt, budget, row in zip(PROMPTS, BUDGETS, batch.rows):
         assert row.new_tokens == hf_greedy(t.model, prompt, budget)
         alone = single.generate(prompt, budget)
         # each row's drafter kept its own state: the same trees accepted as at batch 1
         assert row.tokens_per_step == alone.tokens_per_step and row.tree_sizes == alone.tree_sizes
+        # and drafted as alone: each step's tree shape, and the drafter's scores behind it (a dynamic tree's path
+        # scores: its logits at every level), up to the rounding of a batched forward
+        assert [s.parents for s in row.trace] == [s.parents for s in alone.trace]
+        for mine, own in zip(row.trace, alone.trace):
+            if own.priority is not None:
+                torch.testing.assert_close(torch.tensor(mine.priority), torch.tensor(own.priority), rtol=1e-4,
+                                           atol=1e-4)
     assert batch.active[0] == 3 and batch.active[-1] == 1  # rows left the batch as they finished
     assert batch.steps == max(r.steps for r in batch.rows)
 
@@ -124,9 +131,8 @@ def test_every_drafter_batched_stops_each_row_at_its_eos(name):
 def test_one_engine_read_per_step(name):
     """The engine reads the whole batch's trees and outcomes with one transfer per step (rows leaving the batch cost
     one copy of their index to the device); a batched drafter (every row in the same calls) reads per step what it
-    reads per step for one row (pld: its one read; coral_router: one per tree level), whatever B; a drafter driven
-    row by row (PerRow) reads what it reads decoding each row alone (its per-step reads bounded in
-    tests/test_roundtrips.py), so its reads grow with B where it reads at batch 1."""
+    reads per step for one row (pld: its one read; coral_router: one per tree level), whatever B. Every drafter
+    config is batched."""
     t = target_for()
     engine = Engine(t, make_drafter(name, t), SamplingParams())
     engine.generate_batch(PROMPTS, 20)
@@ -139,17 +145,28 @@ def test_one_engine_read_per_step(name):
     engine_reads = whole.total - prefill_only.total - drafters_reads
     left = sum(1 for a, b in zip(g.active, g.active[1:]) if b < a)  # steps after which rows left
     assert engine_reads == g.steps + left, (name, g.steps, left, whole.counts)
-    alone, per_step = 0, 0.0
+    per_step = 0.0
     for prompt in PROMPTS:
         engine.drafter = CountedDrafter(inner)
         one = engine.generate(prompt, 20)
-        alone += engine.drafter.rt.total
         per_step = max(per_step, engine.drafter.rt.total / one.steps)
     engine.drafter = inner
-    if inner.batched:  # every row drafted in the same calls: a step reads what one row's step reads, whatever B
-        assert drafters_reads <= g.steps * per_step, (name, drafters_reads, g.steps, per_step)
-    else:
-        assert drafters_reads == alone, (name, drafters_reads, alone)
+    assert inner.batched
+    # every row drafted in the same calls: a step reads what one row's step reads, whatever B
+    assert drafters_reads <= g.steps * per_step, (name, drafters_reads, g.steps, per_step)
+
+
+def test_a_one_row_drafter_decodes_at_batch_1_and_is_refused_at_batch_3_in_one_line():
+    from specbench.errors import SpecbenchError
+    from tests.test_conformance import Probe
+
+    t = target_for()
+    ref = hf_greedy(t.model, PROMPTS[0], 20)
+    probe = Probe(128, ref, seed=0)
+    assert Engine(t, probe, SamplingParams()).generate_batch(PROMPTS[:1], 20).rows[0].new_tokens == ref
+    assert probe.seen and all(hidden is not None for _, hidden, _, _ in probe.seen)  # OneRow hands the hidden rows
+    with pytest.raises(SpecbenchError, match="drafts one row at a time.*batch_size=3"):
+        Engine(t, Probe(128, ref, seed=0), SamplingParams()).generate_batch(PROMPTS, 20)
 
 
 def test_ragged_mask_rows_see_their_own_prefix_and_tree():

@@ -113,9 +113,10 @@ def test_drafter_state_rolls_back_over_many_steps(name):
 
 
 class Probe(RandomTreeDrafter):
-    """Random trees, and a log of what the engine hands over after each step."""
+    """Random trees, and a log of what the engine hands over after each step (a one-row drafter: OneRow)."""
 
     needs = frozenset({HIDDEN, KV})
+    batched = False
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)

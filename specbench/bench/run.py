@@ -18,7 +18,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from specbench.decode.drafter import Drafter, NoDrafter
+from specbench.decode.drafter import Drafter, NoDrafter, check_batched
 from specbench.bench import divergence
 from specbench.core import envinfo
 from specbench.bench import failures
@@ -267,12 +267,14 @@ class Runner:
 
     def _instantiate(self, spec: dict, name: str | None) -> Drafter:
         try:
-            return instantiate(spec, target=self.target, _convert_="object")
+            drafter = instantiate(spec, target=self.target, _convert_="object")
         except Exception as e:  # noqa: BLE001 - Hydra wraps constructor errors; report them in one line
             cause = e.__cause__ or e
             if isinstance(cause, SpecbenchError):
                 raise cause from None
             raise SpecbenchError(f"drafter {name!r} could not be built: {cause}") from None
+        check_batched(drafter, self.decoding.batch_size)  # a one-row drafter at B > 1: one line, before decoding
+        return drafter
 
     def execute(self) -> RunDir:
         problem = missing_weights(self.cfg)

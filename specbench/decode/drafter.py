@@ -8,9 +8,9 @@ Lifecycle per generation (one prompt turn):
         drafter.on_verified(result, state)  # roll back / extend the drafter's own cache
 
 The engine drives every batch, batch 1 included, through the rows protocol: `prefill_rows`, `propose_rows` (one
-DraftTree for all live rows, padded to one node count), `on_verified_rows` and `keep_rows` (finished rows leave). A
-drafter that implements it (`batched = True`) drafts for all rows at once; any other is driven through `PerRow`, one
-fork per row, proposing row after row (the methods not yet batched).
+DraftTree for all live rows, padded to one node count), `on_verified_rows` and `keep_rows` (finished rows leave).
+Every shipped drafter implements it (`batched = True`): all rows in the same forwards. A drafter written for one row
+only (the methods above) decodes at batch 1 (`OneRow`); at decoding.batch_size > 1 it is refused in one line.
 
 A drafter declares in `needs` which target outputs it reads from TargetState ("hidden": last hidden states,
 "kv": the target's per-layer key/values, "layers": the inputs of the target layers it lists in `hidden_layers`,
@@ -19,7 +19,6 @@ target's frozen weights (embeddings, LM head) at construction is allowed and is 
 """
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -56,8 +55,8 @@ class Drafter(ABC):
     def on_verified(self, result: VerifyResult, state: TargetState) -> None:
         """Observe what was kept: state.tokens now ends with the accepted tokens and the bonus/recovered token."""
 
-    #: implements the rows protocol below itself (all live rows of a batch in one call); else the engine wraps it in
-    #: PerRow
+    #: implements the rows protocol below itself (all live rows of a batch in one call); else it decodes one row
+    #: (batch 1) through OneRow
     batched: ClassVar[bool] = False
 
     def prefill_rows(self, state: TargetState) -> None:
@@ -75,11 +74,6 @@ class Drafter(ABC):
     def keep_rows(self, leave: "Leave") -> None:
         """Rows left the batch: new row r is old row leave.index[r] (specbench/decode/rows.py)."""
         raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
-
-    def fork(self) -> "Drafter":
-        """A drafter for another row of a batch (Engine.generate_batch): the same weights and options, its own
-        per-generation state. A shallow copy: every drafter sets that state afresh in prefill()."""
-        return copy.copy(self)
 
     @classmethod
     def own_tree(cls, spec: dict) -> "OwnTree | None":
@@ -107,37 +101,42 @@ class RowsDrafter:
         self.on_verified_rows([result], state)
 
 
-class PerRow:
-    """The rows protocol over a drafter that drafts one row at a time: a fork per row (Drafter.fork), each proposing
-    for its row alone, their trees stacked into one padded DraftTree. What every drafter not yet batched runs
-    through; at batch 1 it is the drafter itself, its tree unpadded."""
+class OneRow:
+    """The rows protocol over a drafter written for one row (batched = False): batch 1 only, its one-row methods."""
 
     batched = True
 
-    def __init__(self, drafter: "Drafter", rows: int):
-        self.drafters = [drafter] + [drafter.fork() for _ in range(rows - 1)]
+    def __init__(self, drafter: "Drafter"):
+        self.drafter = drafter
 
     def prefill_rows(self, state: TargetState) -> None:
-        for r, d in enumerate(self.drafters):
-            d.prefill(state.row(r))
+        self.drafter.prefill(state)
 
     def propose_rows(self, state: TargetState) -> DraftTree:
-        return DraftTree.stack([d.propose(state.row(r)) for r, d in enumerate(self.drafters)])
+        return DraftTree.stack([self.drafter.propose(state)])
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        for r, (d, result) in enumerate(zip(self.drafters, results)):
-            mine = state.row(r)
-            result.hidden = mine.hidden
-            d.on_verified(result, mine)
+        results[0].hidden = state.hidden
+        self.drafter.on_verified(results[0], state)
 
     def keep_rows(self, leave: "Leave") -> None:
-        # a finished row's drafter (its own caches) goes now, not when the batch ends
-        self.drafters = [self.drafters[i] for i in leave.index]
+        raise AssertionError("a batch of one has no rows to keep")  # (the engine stops when its row is done)
+
+
+def check_batched(drafter: "Drafter", rows: int) -> None:
+    """A batch of several rows needs a drafter that drafts them together: one line, before any work."""
+    if rows > 1 and not getattr(drafter, "batched", False):
+        from specbench.errors import SpecbenchError
+
+        raise SpecbenchError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} drafts one row at a time "
+                             f"(batched = False, no rows protocol): decoding.batch_size={rows} needs one that "
+                             f"implements prefill_rows / propose_rows / on_verified_rows / keep_rows; use 1")
 
 
 def rows_protocol(drafter: "Drafter", rows: int):
-    """What the engine drives a batch of `rows` through: the drafter itself if it is batched, else PerRow over it."""
-    return drafter if getattr(drafter, "batched", False) else PerRow(drafter, rows)
+    """What the engine drives a batch of `rows` through: the drafter itself if it is batched, else (batch 1) OneRow."""
+    check_batched(drafter, rows)
+    return drafter if getattr(drafter, "batched", False) else OneRow(drafter)
 
 
 @dataclass

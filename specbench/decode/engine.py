@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, rows_protocol
+from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, check_batched, rows_protocol
 from specbench.errors import SpecbenchError
 from specbench.decode.sampling import logits_to_probs, sample
 from specbench.decode.kvcache import PreallocatedCache
@@ -239,6 +239,7 @@ class Engine:
         if not (len(budgets) == len(generators) == b) or b == 0:
             raise ValueError(f"{b} prompts, {len(budgets)} budgets and {len(generators)} generators")
         ragged = b > 1
+        check_batched(self.drafter, b)
         if ragged and target.compiled is not None:  # (a static cache has one length for every row)
             raise SpecbenchError("model.compile=true decodes one prompt at a time (decoding.batch_size=1)")
         capture_at = capture_at or {}

@@ -130,6 +130,8 @@ def batch_tree_mask(anc: torch.Tensor, prefixes: torch.Tensor, width: int, dtype
     additive [A, 1, Q, width]."""
     a, q, s = anc.shape
     rel = torch.arange(width, device=anc.device)[None, :] - prefixes[:, None]  # [A, W] column - row's prefix
+    if s == 0:  # no new entries: each row's prefix only
+        return additive((rel < 0)[:, None, None, :].expand(a, 1, q, width), dtype)
     in_tree = (rel >= 0) & (rel < s)
     tree = anc.gather(2, rel.clamp(0, max(s - 1, 0))[:, None, :].expand(a, q, width)) & in_tree[:, None, :]  # [A, Q, W]
     return additive(((rel < 0)[:, None, :] | tree)[:, None], dtype)

@@ -10,7 +10,6 @@ results/perf/<model>__drafters__<hash>/perf_drafters.json with the run header.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import statistics
 
@@ -37,12 +36,6 @@ class CountedDrafter:
         self.inner, self.needs, self.rt = inner, inner.needs, HostRoundTrips()
         self.hidden_layers = inner.hidden_layers
 
-    def fork(self):
-        """Another batch row's drafter, counted by the same counter."""
-        twin = copy.copy(self)
-        twin.inner = self.inner.fork()
-        return twin
-
     def prefill(self, state):
         return self.inner.prefill(state)
 
@@ -54,7 +47,7 @@ class CountedDrafter:
         with self.rt:
             return self.inner.on_verified(result, state)
 
-    # the rows protocol, where the inner drafter drafts all rows at once (else the engine forks this per row)
+    # the rows protocol, where the inner drafter drafts all rows at once
     @property
     def batched(self) -> bool:
         return getattr(self.inner, "batched", False)
