@@ -100,10 +100,10 @@ def test_the_choice_follows_the_measured_costs():
     assert [(c.depth, c.nodes) for c in grid] == [(d, d) for d in range(1, 5)]  # top-1: depth d holds d nodes
 
 
-def test_at_batch_the_rows_drafting_one_after_another_cost_what_a_batched_forward_saves():
-    """decoding.batch_size=B: the B rows' drafters propose one after another while one forward verifies them all, so
-    a draft time the batch-1 choice can afford shrinks the batch's speedup, and the same costs pick a shallower
-    tree (here: 2 ms per drafted level against a 10 ms forward that batching does not slow)."""
+def test_at_batch_a_draft_cost_timed_at_batch_1_is_paid_per_row():
+    """decoding.batch_size=B with a cost file timed at batch 1 (rows drafting one after another): a draft time the
+    batch-1 choice can afford shrinks the batch's speedup, and the same costs pick a shallower tree (here: 2 ms per
+    drafted level against a 10 ms forward that batching does not slow)."""
     one, drafter = costs(0.0001)
     drafter.draft = [[d, 1, 0.002 * d] for d in range(1, 5)]
     at1, _ = best_tree(one, drafter, 64)
@@ -112,6 +112,31 @@ def test_at_batch_the_rows_drafting_one_after_another_cost_what_a_batched_forwar
     assert (at1.depth, at8.depth) == (4, 1) and at8.speedup < 1 < at1.speedup
     # the baseline's throughput grows 8x at the same forward time: the prediction is the batch's
     assert at8.tokens_per_s / at8.speedup == pytest.approx(8 * at1.tokens_per_s / at1.speedup)
+
+
+def test_at_batch_a_draft_cost_timed_at_that_batch_is_paid_once_per_step():
+    """A cost file calibrated at the run's B holds the batch's draft time per step (every row in the same forwards):
+    the same 2 ms per level, paid once per step at B = 8, keeps the batch-1 choice and its speedup."""
+    one, drafter = costs(0.0001)
+    drafter.draft = [[d, 1, 0.002 * d] for d in range(1, 5)]
+    at1, _ = best_tree(one, drafter, 64)
+    drafter.batch = 8
+    at8, _ = best_tree(TargetCost(**{**one.__dict__, "batch": 8}), drafter, 64)
+    assert (at1.depth, at8.depth) == (4, 4) and at8.speedup == pytest.approx(at1.speedup)
+
+
+@pytest.mark.slow
+def test_calibration_at_batch_times_the_rows_drafted_together():
+    from specbench.bench.costmodel import calibrate_drafter
+    from tests.test_conformance import PROMPTS, make_drafter, target_for
+
+    t = target_for()
+    base = {"kind": "dynamic", "depth": 3, "topk": 2, "total_tokens": 6}
+    cost = calibrate_drafter(t, lambda tree: make_drafter("eagle2", t, *(f"tree.{k}={v}" for k, v in tree.items()
+                                                                      if k != "kind")),
+                             base, PROMPTS, 12, [1], batch=3)
+    assert cost.batch == 3 and {(d, k) for d, k, _ in cost.draft} == {(d, k) for d in (1, 2, 3) for k in (1, 2)}
+    assert all(t > 0 for *_, t in cost.draft) and cost.trace
 
 
 @pytest.mark.slow

@@ -15,6 +15,8 @@ policy tune their own drafts the same way (Drafter.own_tree: pld's and sd's chai
                   prompt nearest the run's mean length over that on a calibration prompt (a drafter attending over
                   its context drafts slower behind a long prompt)
     overhead      the engine's own time per step (wall - prefill - draft - verify) / steps; prefill per prompt
+                  (at decoding.batch_size B > 1, t_draft, overhead and prefill are the batch's: B calibration prompts
+                  decoded together, every row drafted in the same forwards)
   acceptance (one traced decode of the calibration prompts with the base tree, Engine(trace=True)):
     each step's tree with its policy's priority (DraftTree.priority: cumulative draft log-probability) and the
     accepted path. The tree the policy grows with (d, k, n) is replayed on the recorded one by those priorities
@@ -43,7 +45,7 @@ import numpy as np
 import torch
 
 from specbench.decode.drafter import Drafter, NoDrafter
-from specbench.decode.engine import Engine, Generation, StepTrace, sync
+from specbench.decode.engine import BatchGeneration, Engine, Generation, StepTrace, sync
 from specbench.errors import SpecbenchError
 from specbench.core.records import atomic_write_json
 from specbench.decode.kvcache import PreallocatedCache
@@ -118,6 +120,9 @@ class DrafterCost:
     ar_overhead_s: float  # the baseline's per step, outside its one-token forward
     ar_prefill_s: float
     trace: list[dict]  # StepTrace as dicts: the base tree's steps on the calibration prompts
+    # rows decoded together when draft, overhead and prefill were timed: at B > 1 they are the batch's per step (every
+    # row drafted in the same forwards), not one row's (1: files written before batched drafting, or batch 1)
+    batch: int = 1
 
 
 @dataclass
@@ -132,19 +137,20 @@ class Choice:
 
 def predict(target: TargetCost, drafter: DrafterCost, depth: int, topk: int, nodes: int, new_tokens: int,
             trace: list[StepTrace], draft_scale: float = 1.0) -> Choice:
-    """Predicted tokens/s of the tree cut at (depth, topk, nodes). At batch B (target.batch) the B rows' drafters
-    propose one after another (Engine.generate_batch) and keep their own bookkeeping, while one forward verifies
-    B x (nodes + 1) tokens: the batch's throughput is B x T over that step time. (A model: it charges the batch-1
-    engine overhead B times, though its host read and mask are once per step, and it assumes every row takes the same
-    steps, where a real batch runs until its slowest row, shrinking as rows finish.)"""
+    """Predicted tokens/s of the tree cut at (depth, topk, nodes). At batch B (target.batch) one forward verifies
+    B x (nodes + 1) tokens and the batch's throughput is B x T over the step time. The draft, overhead and prefill
+    costs are the batch's when the drafter was calibrated at that B (every row drafted in the same forwards); a cost
+    file timed at batch 1 is charged B times (rows drafted one after another). (A model: it assumes every row takes
+    the same steps, where a real batch runs until its slowest row, shrinking as rows finish.)"""
     b = target.batch
+    rows = 1 if drafter.batch == b else b  # how many times a calibrated per-step cost is paid per step
     tau = predicted_tau(trace, depth, nodes, topk or None)
     draft = {(int(d), int(k)): t for d, k, t in drafter.draft}[(depth, topk)] * draft_scale
-    t_step = b * draft + target.verify(nodes + 1) + b * drafter.overhead_s
+    t_step = rows * draft + target.verify(nodes + 1) + rows * drafter.overhead_s
     # the run's prompt: the target's prefill at its length, plus what the drafter adds to a prefill (calibration)
-    prefill = target.prefill_s + b * max(0.0, drafter.prefill_s - drafter.ar_prefill_s)
+    prefill = target.prefill_s + rows * max(0.0, drafter.prefill_s - drafter.ar_prefill_s)
     tps = b * new_tokens / (prefill + (new_tokens - 1) / tau * t_step)
-    ar = b * new_tokens / (target.prefill_s + (new_tokens - 1) * (target.verify(1) + b * drafter.ar_overhead_s))
+    ar = b * new_tokens / (target.prefill_s + (new_tokens - 1) * (target.verify(1) + rows * drafter.ar_overhead_s))
     return Choice(depth, topk, nodes, tau, tps, tps / ar)
 
 
@@ -253,23 +259,42 @@ def _per_step(gens: list[Generation]) -> tuple[float, float, float, float]:
     return draft, over, statistics.fmean(g.prefill_s for g in gens), steps
 
 
+def _batch_per_step(batch: BatchGeneration) -> tuple[float, float, float, int]:
+    """_per_step of one batch: the batch's draft s and overhead s per step (the row that finished last took part in
+    every step, so its draft and verify sums are the batch's), its prefill s, its steps."""
+    steps = max(1, batch.steps)
+    draft, verify = max(g.draft_s for g in batch.rows), max(g.verify_s for g in batch.rows)
+    return draft / steps, (batch.wall_s - batch.prefill_s - draft - verify) / steps, batch.prefill_s, batch.steps
+
+
 def calibrate_drafter(target, make_drafter: Callable[[dict], Drafter], base: dict, prompts: list[list[int]],
-                      new_tokens: int, topks: list[int]) -> DrafterCost:
+                      new_tokens: int, topks: list[int], batch: int = 1) -> DrafterCost:
+    """The drafter's costs on this device. At batch B > 1 the draft, overhead and prefill are timed on B calibration
+    prompts decoded together (the prompts repeated to B rows), as the run decodes; acceptance is traced at batch 1
+    either way (a row accepts what it accepts alone)."""
     greedy = SamplingParams()
     Engine(target, make_drafter(base), greedy).generate(prompts[0], 8)  # warm-up
     traced = [Engine(target, make_drafter(base), greedy, trace=True).generate(p, new_tokens) for p in prompts]
     _, overhead, prefill, _ = _per_step(traced)
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+
+    def per_step(drafter: Drafter, tokens: int) -> tuple[float, float, float, int]:
+        if batch == 1:
+            return _per_step([Engine(target, drafter, greedy).generate(p, tokens) for p in prompts[:2]])
+        return _batch_per_step(Engine(target, drafter, greedy).generate_batch(rows, tokens))
+
+    if batch > 1:
+        Engine(target, make_drafter(base), greedy).generate_batch(rows, 8)  # warm-up at this B
+        _, overhead, prefill, _ = per_step(make_drafter(base), new_tokens)
     widths = sorted({k for k in topks if k <= base["topk"]} | {base["topk"]}) if base["kind"] == "dynamic" else [0]
     draft = []
     for k in widths:
         for d in range(1, base_depth(base) + 1):  # the policy cut at depth d (all its nodes): its draft time
-            drafter = make_drafter(concrete_tree(base, d, base_nodes(base), k))
-            gens = [Engine(target, drafter, greedy).generate(p, min(new_tokens, 24)) for p in prompts[:2]]
-            draft.append([d, k, _per_step(gens)[0]])
-    ar = [Engine(target, NoDrafter(), greedy).generate(p, min(new_tokens, 24)) for p in prompts[:2]]
-    _, ar_over, ar_prefill, _ = _per_step(ar)
+            draft.append([d, k, per_step(make_drafter(concrete_tree(base, d, base_nodes(base), k)),
+                                         min(new_tokens, 24))[0]])
+    _, ar_over, ar_prefill, _ = per_step(NoDrafter(), min(new_tokens, 24))
     return DrafterCost(base, draft, overhead, prefill, ar_overhead_s=ar_over, ar_prefill_s=ar_prefill,
-                       trace=[asdict(s) for g in traced for s in g.trace])
+                       trace=[asdict(s) for g in traced for s in g.trace], batch=batch)
 
 
 @dataclass
@@ -344,9 +369,11 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
                         "timing": f"rounds of every size, median of {VERIFY_REPEATS}"})  # older files timed sizes in turn
     tcost, tpath = cached(tpath, lambda: time_verify(target, prompt, context, sizes, batch=batch), TargetCost)
     key = {**drafter_key, "base": base, "calibration": asdict(auto) | {"prompts": prompts}, **path}
+    if batch > 1:  # the draft timed at this B, all rows in the same forwards (older files: one row's, charged B times)
+        key["draft_timed"] = "batch"
     dpath = cache_path(cache_root, target.device, model, target.dtype, drafter_key.get("name", "drafter"), key)
     dcost, dpath = cached(dpath, lambda: calibrate_drafter(target, make_drafter, base, prompts, auto.new_tokens,
-                                                          auto.topks), DrafterCost)
+                                                          auto.topks, batch), DrafterCost)
     typical = min(run_prompts, key=lambda p: abs(len(p) - prompt))  # the run prompt nearest the mean length
     spath = cache_path(cache_root, target.device, model, target.dtype, f"{drafter_key.get('name', 'drafter')}-context",
                        {**key, "run_prompt": typical})
