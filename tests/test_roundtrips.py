@@ -129,3 +129,59 @@ def test_drafters_propose_the_recorded_trees():
     for name, trees in recorded["proposals"].items():
         assert len(trees) >= 5, name
         assert ours[name] == trees, name
+
+
+def test_the_step_loop_waits_for_the_device_only_at_its_one_read():
+    """No synchronisation inside the decode loop at B = 1 or B = 3: the phases are marked (StepClock), and the
+    generation waits once at its end; so a longer decode has the same count of syncs, and its only per-step wait is
+    the engine's one read (counted above)."""
+    target = target_for()
+    for prompts in (PROMPTS[:1], PROMPTS):
+        engine = Engine(target, make_drafter("eagle2", target), SamplingParams())
+        engine.generate_batch(prompts, 4)
+        syncs = []
+        for budget in (5, 25):
+            with HostRoundTrips() as rt:
+                got = engine.generate_batch(prompts, budget)
+            syncs.append(rt.counts["synchronize"])
+        assert got.steps >= 8 and syncs[0] == syncs[1] <= 3, syncs  # prefill (2) and the end (1)
+
+
+def test_a_step_clock_on_one_gpu_marks_with_events_and_waits_once(monkeypatch):
+    """On one CUDA device each mark is a timing event (no drain); resolve waits once and hands each step's phases to
+    the rows that took part, and each finished row its wall time (a fake event here: its record time on the host)."""
+    import time
+
+    from specbench.decode import clock as clock_mod
+    from specbench.decode.engine import Generation
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other) -> float:
+            return 1e3 * (other.t - self.t)
+
+    monkeypatch.setattr(clock_mod.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(clock_mod.torch.cuda, "synchronize", lambda device=None: None)
+    gens = [Generation(new_tokens=[], prompt_tokens=3, wall_s=0.0, prefill_s=0.5) for _ in range(2)]
+    with HostRoundTrips() as rt:
+        clock = clock_mod.StepClock((torch.device("cuda"),), offset=0.5)
+        assert clock.events and not clock.drain
+        for step in range(3):
+            a = clock.mark()
+            time.sleep(0.002)
+            b = clock.mark()
+            time.sleep(0.001)
+            clock.step(a, b, clock.mark(), gens if step < 2 else gens[:1])
+            if step == 1:
+                clock.finish(gens[1], clock.mark())
+        clock.finish(gens[0], clock.mark())
+        assert rt.counts["synchronize"] == 0
+        clock.resolve()
+    assert rt.counts["synchronize"] == 1
+    assert gens[0].draft_s >= 3 * 0.002 and gens[1].draft_s >= 2 * 0.002 and gens[1].draft_s < gens[0].draft_s
+    assert gens[0].verify_s >= 3 * 0.001 and gens[0].wall_s > gens[1].wall_s > 0.5

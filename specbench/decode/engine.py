@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specbench.decode.clock import StepClock, sync
 from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, check_batched, rows_protocol
 from specbench.errors import SpecbenchError
 from specbench.decode.sampling import logits_to_probs, sample
@@ -29,14 +30,6 @@ from specbench.decode.target import TargetModel, cache_kv, compact_cache, compac
 from specbench.decode.tree import ancestor_matrices, batch_tree_mask, is_chain, node_depths, tree_attention_mask
 from specbench.decode.types import DraftTree, SamplingParams, TargetState, VerifyResult
 from specbench.decode.verify import greedy_accept_rows, rejection_accept_rows
-
-
-def sync(device: torch.device | tuple[torch.device, ...]) -> None:
-    """Wait for queued device work, so that the clock measures it: on every device a target spread over several
-    (model.device_map) computes on, not only the engine's."""
-    for d in device if isinstance(device, tuple) else (device,):
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
 
 
 @dataclass
@@ -290,12 +283,12 @@ class Engine:
             g.prefill_s = batch.prefill_s
             if g not in (row.gen for row in rows.live):
                 g.wall_s = batch.prefill_s
+        # the phases' times, marked without a drain (the step's host read below is its one wait), read at the end
+        clock = StepClock(devs, offset=batch.prefill_s)
         while len(rows):
-            td = time.perf_counter()
+            td = clock.mark()
             tree = drafter.propose_rows(state)
-            sync(devs)
-            tv = time.perf_counter()
-            draft_s = tv - td
+            tv = clock.mark()
             proposed = tree.row_sizes()  # (a dropped tree: every proposed node rejected, from the drafter's side)
             tree = self._within_context(tree, rows, context)
             sizes = tree.row_sizes()
@@ -320,8 +313,7 @@ class Engine:
                              contiguous)
             else:
                 compact_cache(cache, rows.live[0].prefix, acc.path[0, : lengths_h[0]], contiguous)
-            sync(devs)
-            verify_s = time.perf_counter() - tv
+            clock.step(td, tv, clock.mark(), [row.gen for row in rows.live])
             batch.steps += 1
             batch.active.append(a)
             # every row's new tokens (accepted + next) written behind its root, on the device (past a row's end: stale)
@@ -334,8 +326,6 @@ class Engine:
                 gen, k = row.gen, sizes[r]
                 node_tokens, parents = flat[r * n : r * n + k], flat[a * n + r * n : a * n + r * n + k]
                 path = paths[r]
-                gen.draft_s += draft_s
-                gen.verify_s += verify_s
                 before = len(gen.new_tokens)
                 emitted, finished = _emit(gen, [node_tokens[j] for j in path] + [nexts[r]], eos, row.budget)
                 if row.capture_at is not None and before <= row.capture_at < before + len(emitted):
@@ -344,8 +334,7 @@ class Engine:
                 self._count_step(gen, tree, r, emitted, parents, path, bool(recs[r]))
                 row.prefix += 1 + len(path)
                 if finished:
-                    sync(devs)
-                    gen.wall_s = time.perf_counter() - t0
+                    clock.finish(gen, clock.mark())
                     done.add(r)
                 results.append(VerifyResult(
                     accepted_nodes=path, accepted_tokens=[node_tokens[j] for j in path], next_token=nexts[r],
@@ -365,6 +354,7 @@ class Engine:
                 fresh_t = fresh_t.index_select(0, step.index_t)
             state = self._state(rows, hid, fresh, fresh_t, cache, ragged, lay, need)
             drafter.on_verified_rows(results, state)
+        clock.resolve()  # (its one wait for the device, where it marked with events)
         sync(devs)
         batch.wall_s = time.perf_counter() - t0
         return batch

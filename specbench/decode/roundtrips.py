@@ -135,12 +135,31 @@ def _kind(name: str, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
+_OPEN: list["HostRoundTrips"] = []  # the counters whose `with` block is running (a sync is counted by each)
+
+
+def count_sync(kind: str = "synchronize") -> None:
+    """A wait no torch function shows (torch.cuda.synchronize, an event's wait): the caller reports it here
+    (specbench/decode/clock.py sync), and every open counter counts it, whatever the device."""
+    for counter in _OPEN:
+        counter.counts[kind] += 1
+
+
 class HostRoundTrips(TorchFunctionMode):
-    """`with HostRoundTrips() as rt: ...` then `rt.total` and `rt.counts` (by operation)."""
+    """`with HostRoundTrips() as rt: ...` then `rt.total` and `rt.counts` (by operation). Also counted: the device
+    synchronisations the project's code reports (count_sync), as "synchronize"."""
 
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+
+    def __enter__(self):
+        _OPEN.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _OPEN.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
