@@ -283,6 +283,7 @@ def test_an_hf_draft_runs_without_a_specbench_checkpoint(make_cfg, tmp_path, tin
     ("decoding.batch_size=0", "decoding.batch_size=0 must be >= 1"),
     # a batch of 4 over 2 questions decodes 2 rows: the batch table would label it B=4
     ("decoding.batch_size=4 dataset.limit=2", "decoding.batch_size=4 needs at least that many questions"),
+    ("decoding.ragged=true model.compile=true", "decoding.ragged=true takes the batch's path"),
 ])
 def test_bad_decoding_parameters_are_refused_before_anything_runs(make_cfg, tmp_path, override, message):
     """temperature=-1 ran as greedy without a word."""
@@ -379,3 +380,15 @@ def test_batches_depend_only_on_the_repeat_and_the_question():
     left = [(r, q) for r, q in todo if not (r == 0 and q.question_id in ("0", "3"))]
     assert [[q.question_id for _, q in g] for g in batches(left, qs, 2)][:3] == [["1"], ["2"], ["4"]]
     assert [len(g) for g in batches(todo, qs, 1)] == [1] * 10  # batch 1: one question at a time, in order
+
+
+def test_the_batch_path_at_batch_1_names_its_runs_and_the_default_keeps_the_old_names():
+    """decoding.ragged=true is in the run name (its B = 1 is another path); false (the default) is not, so every
+    batch-1 run keeps the name it was committed under."""
+    from specbench.bench.run import run_key, run_name
+
+    base = {"model": {"name": "m"}, "drafter": {"name": "none"}, "dataset": {"name": "d"}, "repeats": 1, "seed": 0}
+    plain = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    name = lambda decoding: run_name(run_key(base["model"], base["drafter"], base["dataset"], decoding, 1, 0))  # noqa: E731
+    assert name(plain) == name({**plain, "batch_size": 1, "ragged": False})
+    assert name({**plain, "ragged": True}) != name(plain)

@@ -64,6 +64,8 @@ def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: 
         drafter["module"] = cls.decoding_options(dict(drafter["module"]))  # its training-only options do not count
     if decoding.get("batch_size", 1) == 1:  # batch 1 is how every run was decoded before the option: same names
         decoding = {k: v for k, v in decoding.items() if k != "batch_size"}
+    if not decoding.get("ragged", False):  # (likewise: only a run that sets it has it in its name)
+        decoding = {k: v for k, v in decoding.items() if k != "ragged"}
     return {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": repeats,
             "seed": seed}
 
@@ -177,6 +179,9 @@ class Runner:
         if self.model_cfg.compile and self.decoding.batch_size > 1:
             raise SpecbenchError(f"model.compile=true decodes one prompt at a time; decoding.batch_size="
                                  f"{self.decoding.batch_size} runs eagerly: drop one of the two")
+        if self.model_cfg.compile and self.decoding.ragged:
+            raise SpecbenchError("model.compile=true decodes on its static cache; decoding.ragged=true takes the "
+                                 "batch's path: drop one of the two")
         if self.bench.repeats < 1 or self.bench.warmup < 0:
             raise SpecbenchError("bench.repeats must be >= 1 and bench.warmup >= 0")
         self.questions = load_questions(self.dataset_cfg)
@@ -263,7 +268,7 @@ class Runner:
                                      lambda t: self._instantiate(build(t), self.cfg.drafter.name),
                                      {"name": self.cfg.drafter.name, **key}, prompts, run_prompts,
                                      self.decoding.max_new_tokens, self.model_cfg.cache_dir, self.model_cfg.name,
-                                     batch=self.decoding.batch_size)
+                                     batch=self.decoding.batch_size, ragged=self.decoding.ragged)
 
     def _instantiate(self, spec: dict, name: str | None) -> Drafter:
         try:
@@ -335,7 +340,7 @@ class Runner:
                 **({"tree_used": drafter.tree_used} if getattr(drafter, "tree_used", None) else {}),
             })
         if todo:
-            engine = Engine(self.target, drafter, self.decoding.sampling())
+            engine = Engine(self.target, drafter, self.decoding.sampling(), ragged=self.decoding.ragged)
             with sdpa_context(self.bench.sdpa, self.target.device):
                 self._decode(run_dir, engine, todo, baseline, node.name)
         base_records = baseline.records() if baseline else None
@@ -474,7 +479,7 @@ class Runner:
         j = row["first_divergence"]
         if j is None or j >= min(len(ref), len(g.new_tokens)):  # equal, or one output a prefix of the other
             return row
-        replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
+        replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling(), ragged=self.decoding.ragged)
         if self.decoding.batch_size == 1:
             kind = divergence.classify(replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)
         else:

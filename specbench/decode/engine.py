@@ -121,9 +121,14 @@ class BatchGeneration:
 
 
 class Engine:
-    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False):
-        """trace=True keeps every step's tree and accepted path (one more host read per step: calibration only)."""
+    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False,
+                 ragged: bool = False):
+        """trace=True keeps every step's tree and accepted path (one more host read per step: calibration only).
+        ragged=True (decoding.ragged): a batch of one prompt goes through the batch's path too (a preallocated cache
+        of ragged rows, per-row masks and positions, the drafters' ragged caches), so that B = 1 and B > 1 differ only
+        by batching; the default keeps batch 1 on the target's cache kind and the causal mask."""
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
+        self.ragged = ragged
 
     def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: list[int], fresh_t: torch.Tensor, cache,
                ragged: bool, layers: torch.Tensor | None, capacity: int) -> TargetState:
@@ -231,10 +236,11 @@ class Engine:
         generators = list(generators) if generators is not None else [None] * b
         if not (len(budgets) == len(generators) == b) or b == 0:
             raise ValueError(f"{b} prompts, {len(budgets)} budgets and {len(generators)} generators")
-        ragged = b > 1
+        ragged = b > 1 or self.ragged
         check_batched(self.drafter, b)
         if ragged and target.compiled is not None:  # (a static cache has one length for every row)
-            raise SpecbenchError("model.compile=true decodes one prompt at a time (decoding.batch_size=1)")
+            raise SpecbenchError("model.compile=true decodes one prompt at a time on its static cache "
+                                 "(decoding.batch_size=1, decoding.ragged=false)")
         capture_at = capture_at or {}
         lens = [len(p) for p in prompts]
         sync(devs)
