@@ -1,4 +1,4 @@
-# specbench — see README.md. Every target sets up (or refreshes) the virtual environment first.
+# specbench — see README.md. Every target but gpu-check sets up (or refreshes) the virtual environment first.
 PY       ?= python3
 VENV     ?= .venv
 PEER_VENV ?= .peer-venv

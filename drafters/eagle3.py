@@ -29,7 +29,7 @@ vocabulary are dropped (the authors' position_mask).
 
 Deviations from the authors' code (stated):
 - the loss mask is the predicted token's (x[t+2+i] an answer token), as for the whole EAGLE family here; theirs is
-  loss_mask[t+i], two positions earlier (see README, "Deviations");
+  loss_mask[t+i], two positions earlier (see docs/drafters.md);
 - each step's loss is divided by the number of real positions (theirs: by every position of the padded batch);
 - a head trained here uses the target's RoPE base (`rope_theta: null`); the authors' configs carry none and their code
   uses 10000, which a published head's config gets when it carries none.

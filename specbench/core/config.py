@@ -128,7 +128,7 @@ class TrainConfig:
     # a `last/` checkpoint inside an epoch every this many minutes too (a crash or a session's end mid-epoch resumes at
     # that batch, not at the epoch's start: a CPU epoch takes most of an hour); None: at epochs' ends only
     save_every_min: Optional[float] = 10.0
-    # DDP: how long ranks wait at a collective (rank 0 alone writes self-distilled answers before extraction starts)
+    # DDP: how long ranks wait at a collective (the slowest rank's share of the self-distilled answers, extraction)
     dist_timeout_min: int = 360
     # drafters reading the target's K/V (MoA): online = computed per batch from the frozen target (one forward);
     # stored = extracted with the features (~23 kB/token on SmolLM2, ~512 KiB on Llama-2-7B)

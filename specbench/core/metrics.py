@@ -122,9 +122,9 @@ def _total_wall(records: list[dict]) -> float:
 
 
 def _shared_total(records: list[dict], key: str) -> float:
-    """Seconds a batch's rows spent together (its prefill, its verification forwards) counted once per batch: the
-    longest of its rows' (the row that stayed longest took part in every step); a row of its own counts as it is.
-    Draft seconds are each row's own (the rows draft one after another) and are summed as they are."""
+    """Seconds a batch's rows spent together (its prefill, its drafting and verification: every row of a step is
+    drafted and verified in the same forwards) counted once per batch: the longest of its rows' (the row that stayed
+    longest took part in every step); a row of its own counts as it is."""
     per_batch: dict[str, float] = {}
     alone = 0.0
     for r in records:
@@ -156,12 +156,12 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
         "tau_macro": mean_std([r["tau"] for r in records if r["steps"]])["mean"],
         "alpha": [a / t if t else None for a, t in zip(accepts, trials)],
         "alpha_trials": trials,
-        "draft_s": sum(r["draft_s"] for r in records),
+        "draft_s": _shared_total(records, "draft_s"),
         "verify_s": _shared_total(records, "verify_s"),
         "prefill_s": _shared_total(records, "prefill_s"),
         "wall_s": _total_wall(records),
-        "draft_ms_per_step": 1e3 * sum(r["draft_s"] for r in records) / steps if steps else None,
-        # (at batch B, per row-step: a batched forward's time shared by the rows it verified)
+        # (at batch B, per row-step: a step's drafting and its batched forward shared by the rows in it)
+        "draft_ms_per_step": 1e3 * _shared_total(records, "draft_s") / steps if steps else None,
         "verify_ms_per_step": 1e3 * _shared_total(records, "verify_s") / steps if steps else None,
         "mean_tree_size": drafted / steps if steps else None,
         "peak_mem_bytes": max((r["peak_mem_bytes"] or 0 for r in records), default=None),

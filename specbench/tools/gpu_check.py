@@ -30,8 +30,9 @@ downloaded: every target is built on the device from a Llama config with random 
   python -m specbench.gpu_check                       # on a GPU: both shapes, every drafter, up to the deadline
   python -m specbench.gpu_check --cpu-form            # reduced shapes on the CPU (what `make test` runs)
 
-On a machine with no registry, bring the pinned pure-Python wheels (README "The GPU path"): transformers, tokenizers,
-huggingface-hub, safetensors, hydra-core, omegaconf, antlr4-python3-runtime, PyYAML; torch is the machine's.
+On a machine with no registry, bring as wheels what it lacks of the pins (docs/gpu.md "On a box with no registry": on
+the H200 box of 2026-11-27, transformers 5.23.0, hydra-core, omegaconf and antlr4-python3-runtime); torch is the
+machine's.
 """
 from __future__ import annotations
 

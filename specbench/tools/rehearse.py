@@ -1,7 +1,7 @@
 """`make rehearse` (`python -m specbench.rehearse`): day one on a GPU box, rehearsed on any machine with no network.
 
 It writes tiny replicas of every target and published drafter a GPU user downloads (specbench/tools/replicas.py) into a
-private Hugging Face cache under their real hub ids, then runs the README's own day-one commands against them,
+private Hugging Face cache under their real hub ids, then runs the runbook's own day-one commands (docs/gpu.md) against them,
 unmodified but for environment variables (HF_HOME and offline mode; SPECBENCH_CACHE, SPECBENCH_WEIGHTS and RESULTS
 pointing into the rehearsal's directory, so nothing of the working tree is touched):
 

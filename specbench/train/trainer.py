@@ -194,9 +194,9 @@ def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: Mod
 
 def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool, rank: int,
                      world: int = 1):
-    """Train and validation FeatureSets (resumable), shared by every drafter. Under torchrun rank 0 writes the
-    self-distilled answers, then every rank extracts its share of the training shards; rank 0 alone the small
-    validation set. Stored K/V only with `kv` (train.kv_features=stored: MoA's otherwise come online)."""
+    """Train and validation FeatureSets (resumable), shared by every drafter. Under torchrun each rank writes its
+    share of the self-distilled answers (conversation i on rank i mod world), then every rank extracts its share of
+    the training shards; rank 0 alone the small validation set. Stored K/V only with `kv` (train.kv_features=stored: MoA's otherwise come online)."""
     root = features_root(target, cfg, model_cfg, kv)
     try:  # complete already? (every rank reads the same directory)
         return FeatureSet.open(root / "train"), FeatureSet.open(root / "val")
