@@ -317,3 +317,36 @@ def test_the_every_drafter_experiments_sweep_every_drafter():
         assert set(exp["hydra"]["sweeper"]["params"]["drafter"].split(",")) - {"none"} == drafters, name
         for table in exp["report"]["tables"]:
             assert set(table.get("drafters", drafters)) == drafters, name
+
+
+def test_make_figures_writes_the_tables_the_docs_show(tmp_path):
+    """README.md and docs/*.md show tables between `<!-- table: <file> -->` markers; `make figures` rewrites them from
+    the files it wrote (whole, `columns: *` its table alone, or some columns), leaves a block whose file is missing,
+    and the committed docs are in sync with the committed results (no number in them typed by hand)."""
+    from specbench.bench.report.docs import doc_files, sync_docs
+    from specbench.core.envinfo import REPO
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "t.md").write_text("**caption**\n\n| method | a | b |\n|---|---|---|\n| x | 1 | 2 |\n| y | 3 | 4 |\n")
+    doc = tmp_path / "README.md"
+    doc.write_text("intro\n<!-- table: results/t.md -->\nold\n<!-- end table -->\nmid\n"
+                   "<!-- table: results/t.md columns: method, b -->\n<!-- end table -->\n"
+                   "<!-- table: results/t.md columns: * -->\n| stale |\n<!-- end table -->\n"
+                   "<!-- table: results/gone.md -->\nkept\n<!-- end table -->\n")
+    changed, missing = sync_docs(tmp_path, doc_files(tmp_path))
+    assert changed == [doc] and missing == ["README.md: results/gone.md"]
+    assert doc.read_text() == (
+        "intro\n<!-- table: results/t.md -->\n**caption**\n\n| method | a | b |\n|---|---|---|\n| x | 1 | 2 |\n"
+        "| y | 3 | 4 |\n<!-- end table -->\nmid\n<!-- table: results/t.md columns: method, b -->\n| method | b |\n"
+        "| --- | --- |\n| x | 2 |\n| y | 4 |\n<!-- end table -->\n<!-- table: results/t.md columns: * -->\n"
+        "| method | a | b |\n|---|---|---|\n| x | 1 | 2 |\n| y | 3 | 4 |\n<!-- end table -->\n"
+        "<!-- table: results/gone.md -->\nkept\n<!-- end table -->\n")
+    assert sync_docs(tmp_path, doc_files(tmp_path))[0] == []  # a second run changes nothing
+    # the repository's own docs: rendering every block from results/ changes nothing
+    for path in doc_files(REPO):
+        copy = tmp_path / "repo" / path.relative_to(REPO)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(path.read_text())
+    (tmp_path / "repo" / "results").symlink_to(REPO / "results")
+    changed, missing = sync_docs(tmp_path / "repo", doc_files(tmp_path / "repo"))
+    assert changed == [] and missing == []

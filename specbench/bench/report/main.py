@@ -54,11 +54,17 @@ def report(results: Path) -> list[Path]:
 
 
 def main() -> None:
+    from specbench.bench.report.docs import doc_files, sync_docs
+    from specbench.core.envinfo import REPO
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default="results", type=Path)
     args = ap.parse_args()
     for p in report(args.results):
         print(f"written: {p}")
+    if args.results.resolve() == (REPO / "results").resolve():  # the committed results: the docs show their tables
+        for p in sync_docs(REPO, doc_files(REPO))[0]:
+            print(f"written: {p}")
 
 
 if __name__ == "__main__":
