@@ -88,7 +88,7 @@ limit: setup
 # drafter lossless eager and compiled, random-weight Llama-2-7B / Llama-3-8B timings, kernel profile. ARGS narrows it.
 # No setup: a lent GPU box has torch and no registry; it runs on $(PY) with the wheels its docstring names installed.
 gpu-check:
-	PYTHONPATH=$(CURDIR) $(PY) -m specbench.gpu_check $(ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m specbench.gpu_check $(ARGS)
 
 # Every drafter's draft ms/step, verify ms/step, tokens/s and host round trips per step (results/perf/).
 perf-drafters: setup

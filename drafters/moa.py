@@ -450,6 +450,15 @@ class MoADrafter(TrainableDrafter):
             cached.update(k[:, :, new], v[:, :, new])
         self.acts = n
 
+    def _tli_alone(self, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """tli_context none, the authors' inference: the TLI layers without any cache, each row seeing only itself (its
+        level's siblings are hidden by their tree mask) -> the final norm of their output. x [B, R, E], p [B, R]."""
+        itself = torch.eye(x.shape[1], dtype=torch.bool, device=self.device)[None, None]
+        for cached, layer in zip(self.tli_kv, self.tli_layers):
+            kc, vc = cached.keys[:, :, :0], cached.values[:, :, :0]
+            x, _, _ = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, itself)
+        return self.final_norm(x)
+
     def _rows(self, tokens: torch.Tensor, pos: int, sa_seen: torch.Tensor, tli_seen: torch.Tensor) -> torch.Tensor:
         """Draft rows tokens [R] at position pos: SA over the tree (sa_seen [R, S]: the drafted SA slots each row sees
         besides the verified tokens, itself included), CA over verified activations, TLI layers (tli_seen [R, S']: its
@@ -461,12 +470,8 @@ class MoADrafter(TrainableDrafter):
                         self.sa_cache)
         ca_allowed = visible(torch.zeros(r, 0, dtype=torch.bool, device=self.device), self.acts)  # every activation
         x = self.net.cross_attention(q, p, ca_allowed, (self.ca_kv.keys, self.ca_kv.values))
-        if self.net.tli and self.tli_context == "none":  # the authors' inference: no cache; siblings: itself only
-            itself = torch.eye(r, dtype=torch.bool, device=self.device)[None, None]
-            for cached, layer in zip(self.tli_kv, self.tli_layers):
-                kc, vc = cached.keys[:, :, :0], cached.values[:, :, :0]
-                x, _, _ = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, itself)
-            x = self.final_norm(x)
+        if self.net.tli and self.tli_context == "none":
+            x = self._tli_alone(x, p)
         elif self.net.tli:
             allowed = visible(tli_seen, self.acts)  # [1, 1, R, acts + S']
             for i, layer in enumerate(self.tli_layers):
@@ -589,12 +594,8 @@ class MoADrafter(TrainableDrafter):
         none = torch.zeros(a, r, 0, dtype=torch.bool, device=self.device)
         ca_allowed = batch_tree_mask(none, self._acts_t, max(self._acts), wdt)  # every activation of the row
         x = self.net.cross_attention(q, p, ca_allowed, (self.ca_kv.keys, self.ca_kv.values))
-        if self.net.tli and self.tli_context == "none":  # as in _rows: itself only
-            itself = torch.eye(r, dtype=torch.bool, device=self.device)[None, None]
-            for cached, layer in zip(self.tli_kv, self.tli_layers):
-                kc, vc = cached.keys[:, :, :0], cached.values[:, :, :0]
-                x, _, _ = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, itself)
-            x = self.final_norm(x)
+        if self.net.tli and self.tli_context == "none":
+            x = self._tli_alone(x, p)
         elif self.net.tli:
             for cached, layer in zip(self.tli_kv, self.tli_layers):
                 dtype = cached.keys.dtype
