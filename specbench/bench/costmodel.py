@@ -263,11 +263,10 @@ def _per_step(gens: list[Generation]) -> tuple[float, float, float, float]:
 
 
 def _batch_per_step(batch: BatchGeneration) -> tuple[float, float, float, int]:
-    """_per_step of one batch: the batch's draft s and overhead s per step (the row that finished last took part in
-    every step, so its draft and verify sums are the batch's), its prefill s, its steps."""
+    """_per_step of one batch: the batch's draft s and overhead s per step, its prefill s, its steps."""
     steps = max(1, batch.steps)
-    draft, verify = max(g.draft_s for g in batch.rows), max(g.verify_s for g in batch.rows)
-    return draft / steps, (batch.wall_s - batch.prefill_s - draft - verify) / steps, batch.prefill_s, batch.steps
+    return (batch.draft_s / steps, (batch.wall_s - batch.prefill_s - batch.draft_s - batch.verify_s) / steps,
+            batch.prefill_s, batch.steps)
 
 
 def calibrate_drafter(target, make_drafter: Callable[[dict], Drafter], base: dict, prompts: list[list[int]],

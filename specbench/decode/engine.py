@@ -115,6 +115,17 @@ class BatchGeneration:
     active: list[int] = field(default_factory=list)  # rows verified per step (finished rows leave the batch)
 
     @property
+    def draft_s(self) -> float:
+        """The batch's draft seconds: every step's are credited to each live row, and the row that finished last took
+        part in every step."""
+        return max(g.draft_s for g in self.rows)
+
+    @property
+    def verify_s(self) -> float:
+        """The batch's verify seconds (as draft_s)."""
+        return max(g.verify_s for g in self.rows)
+
+    @property
     def tokens_per_s(self) -> float:
         """Throughput: new tokens summed over the rows, per second of the batch's wall time."""
         return sum(len(g.new_tokens) for g in self.rows) / self.wall_s if self.wall_s > 0 else float("nan")
