@@ -231,7 +231,8 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     def prefill_rows(self, state: TargetState) -> None:
         self.ragged = state.lengths is not None
         config = self.head.body.config
-        self.cache = self.target.drafter_cache(config, state.cache_positions, self.head.body, ragged=self.ragged)
+        self.cache = self.target.drafter_cache(config, state.cache_positions, self.head.body, ragged=self.ragged,
+                                               rows=state.rows)
         self.verified = [0] * state.rows  # pairs of verified tokens in the head's cache, per row
         self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
         # pairs (f_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]

@@ -189,14 +189,18 @@ class IndependentDrafter(TrainableDrafter):
         return torch.stack(out)  # [P, depth]
 
     # ---- decoding side -------------------------------------------------------------------------------------------
-    def prefill(self, state: TargetState) -> None:
+    def _new_cache(self, state: TargetState, ragged: bool):
         cfg = self.model.config
         # model.compile compiles the draft model's decoder (its LM head applied after it, eagerly): a model whose
         # logits are more than LM-head(hidden) (a logit scale or soft-cap) keeps its own forward
         text = cfg.get_text_config()
         plain = (getattr(text, "logits_scaling", 1.0) in (None, 1.0)
                  and not any(getattr(text, k, None) for k in ("logit_scale", "final_logit_softcapping")))
-        self.cache = self.new_cache(cfg, state.cache_positions, self.model.get_decoder() if plain else None)
+        return self.new_cache(cfg, state.cache_positions, self.model.get_decoder() if plain else None, ragged=ragged,
+                              rows=state.rows)
+
+    def prefill(self, state: TargetState) -> None:
+        self.cache = self._new_cache(state, ragged=False)
         self.cached = 0
 
     def _logits(self, ids: torch.Tensor, last: bool, **kw) -> torch.Tensor:
@@ -269,7 +273,7 @@ class IndependentDrafter(TrainableDrafter):
         self.ragged = state.lengths is not None
         if not self.ragged:
             return self.prefill(state)
-        self.cache = self.new_cache(self.model.config, state.cache_positions, ragged=True)
+        self.cache = self._new_cache(state, ragged=True)
         self.cached_rows = [0] * state.rows  # per row: tokens in its cache row
         self.cached_t = torch.zeros(state.rows, dtype=torch.long, device=state.tokens.device)
 

@@ -4,6 +4,7 @@ capture, static shapes and guards as inductor, without its C++ build; one induct
 buckets are warm, and the static cache refuses what it cannot hold."""
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from specbench.decode.engine import Engine
 from specbench.errors import SpecbenchError
@@ -12,7 +13,7 @@ from specbench.bench.run import Runner
 from specbench.decode.target import TargetModel
 from specbench.decode.types import SamplingParams, TargetState
 from tests.helpers import hf_greedy, tiny_llama
-from tests.test_conformance import DRAFTER_CONFIGS, PROMPTS, make_drafter
+from tests.test_conformance import CONF, DRAFTER_CONFIGS, PROMPTS, make_drafter
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -34,18 +35,20 @@ def test_every_drafter_decodes_its_greedy_output_compiled(compiled, name):
 
 
 def test_nothing_recompiles_once_the_buckets_are_warm(compiled, monkeypatch):
-    """A chain of sd's gamma tokens fills one bucket, the baseline another: after one generation each, other prompts
-    (the same cache block) decode without a recompile, and their steps ran through the compiled graphs (not the eager
-    fallback, where error_on_recompile would have nothing to catch)."""
+    """The Runner's warm pass: once the prompts were decoded (sd: the target's chain bucket, its draft model's
+    catch-up buckets; the baseline: one token), decoding them again recompiles nothing, and the steps ran through the
+    compiled graphs (not the eager fallback, where error_on_recompile would have nothing to catch). (Other prompts may
+    need a bucket these did not: sd's catch-up is as long as its last acceptance.)"""
     calls = []
     step = compiled.compiled.step
     monkeypatch.setattr(compiled.compiled, "step", lambda *a: calls.append(1) or step(*a))
     engines = [Engine(compiled, make_drafter(n, compiled), SamplingParams()) for n in ("none", "sd")]
     for engine in engines:
-        engine.generate(PROMPTS[0], 30)
+        for prompt in PROMPTS:
+            engine.generate(prompt, 30)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for engine in engines:
-            for prompt in PROMPTS[1:]:
+            for prompt in PROMPTS:
                 calls.clear()
                 assert engine.generate(prompt, 30).new_tokens == hf_greedy(compiled.model, prompt, 30)
                 assert len(calls) > 1  # every step after the (eager) prefill
@@ -75,15 +78,73 @@ def test_the_static_cache_refuses_what_it_cannot_hold():
     cache = StaticCache(tiny_llama(layers=2).config, 8, torch.device("cpu"))
     with pytest.raises(SpecbenchError, match="9 positions exceed the static cache's 8"):
         cache.begin(9)
-    with pytest.raises(SpecbenchError, match="one row at a time"):
-        cache.layers[0].set_row_lengths([3, 4])
+    cache.begin(1, live=1)
+    with pytest.raises(SpecbenchError, match="2 rows on a static cache of 1"):
+        cache.begin(1, live=2)
 
 
-def test_compile_with_batches_is_refused_in_one_line(make_cfg, compiled):
-    with pytest.raises(SpecbenchError, match="model.compile=true decodes one prompt at a time"):
-        Runner(make_cfg("drafter=none", "model.compile=true", "decoding.batch_size=2"))
-    with pytest.raises(SpecbenchError, match="model.compile=true decodes one prompt at a time"):
-        Engine(compiled, make_drafter("eagle2", compiled), SamplingParams()).generate_batch(PROMPTS[:2], 8)
+@pytest.mark.parametrize("name", DRAFTER_CONFIGS)
+def test_every_drafter_decodes_a_batch_compiled(compiled, name, monkeypatch):
+    """model.compile at B > 1: ragged prompts on the static cache of the batch's bucket (3 rows in a bucket of 4, the
+    fourth padding), rows finishing at different steps (a finished row leaves; the buffers keep their bucket): every
+    row its greedy output, every step after the prefill through the compiled graphs at the bucket's shape."""
+    shapes = []
+    step = compiled.compiled.step
+    monkeypatch.setattr(compiled.compiled, "step",
+                        lambda ids, embeds, *a: shapes.append((ids if ids is not None else embeds).shape[0])
+                        or step(ids, embeds, *a))
+    budgets = [20, 12, 24]
+    drafter = make_drafter(name, compiled)
+    out = Engine(compiled, drafter, SamplingParams()).generate_batch(PROMPTS[:3], budgets)
+    assert [g.new_tokens for g in out.rows] == [hf_greedy(compiled.model, p, n) for p, n in zip(PROMPTS, budgets)]
+    assert len(shapes) >= max(g.steps for g in out.rows) and set(shapes) == {4}
+    own = getattr(drafter, "cache", None)  # EAGLE's head, sd's draft model: their own static caches, bucket 4
+    assert not isinstance(own, StaticCache) or own.batch == 4
+    if name in ("eagle2", "sd"):
+        assert isinstance(own, StaticCache)
+
+
+def test_a_batch_recompiles_nothing_once_warm(compiled):
+    """After one batch of 3 (bucket 4; rows leaving at different steps), other prompts in a batch of 3 and a last
+    batch of 2 (padded into the same bucket) decode through the same graphs; batch 1 keeps a cache of its own."""
+    engine = Engine(compiled, make_drafter("none", compiled), SamplingParams())
+    engine.generate_batch(PROMPTS, [6, 3, 9])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompts in (PROMPTS[::-1], PROMPTS[1:]):
+            out = engine.generate_batch(prompts, [9, 5, 7][: len(prompts)])
+            assert [g.new_tokens for g in out.rows] == [hf_greedy(compiled.model, p, n)
+                                                        for p, n in zip(prompts, [9, 5, 7])]
+    assert compiled.new_cache(64, batch=2).batch == 4 and compiled.new_cache(64).batch == 1
+
+
+def test_compiled_batches_run_through_the_runner(make_cfg, monkeypatch):
+    """decoding.batch_size > 1 with model.compile=true (no longer refused): the drafter's and its baseline's records
+    equal the eager batch-1 run's, token for token (aot_eager in place of inductor)."""
+    import specbench.decode.compiled as compiled_module
+
+    build = compiled_module.torch_compile
+    monkeypatch.setattr(compiled_module, "torch_compile", lambda fn, device, backend: build(fn, device, "aot_eager"))
+    common = ("drafter=pld", "dataset.limit=2", "decoding.max_new_tokens=8")
+
+    def tokens(*extra):
+        cfg = make_cfg(*common, *extra)
+        runner = Runner(cfg)
+        runner.execute()
+        dirs = [runner.run_dir_for(node)[0] for node in (cfg.drafter, OmegaConf.load(CONF / "none.yaml"))]
+        return [{(r["question_id"], r["turn"]): r["new_token_ids"] for r in d.records()} for d in dirs]
+
+    eager = tokens("out.experiment=eager")
+    assert eager[0] == eager[1]
+    assert tokens("out.experiment=batch", "model.compile=true", "decoding.batch_size=2") == eager
+
+
+@pytest.mark.parametrize("name", ["eagle2", "sd"])
+def test_a_ragged_batch_of_one_decodes_compiled(compiled, name):
+    """decoding.ragged=true compiled: batch 1 through the batch's path on the static cache, the drafter's decoder on
+    its own static cache, the greedy output."""
+    engine = Engine(compiled, make_drafter(name, compiled), SamplingParams(), ragged=True)
+    assert engine.generate(PROMPTS[1], 20).new_tokens == hf_greedy(compiled.model, PROMPTS[1], 20)
+    assert isinstance(engine.drafter.cache, StaticCache)
 
 
 def test_a_drafters_static_cache_holds_what_the_targets_holds(compiled):

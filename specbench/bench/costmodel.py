@@ -48,7 +48,6 @@ from specbench.decode.drafter import Drafter, NoDrafter
 from specbench.decode.engine import BatchGeneration, Engine, Generation, StepTrace, sync
 from specbench.errors import SpecbenchError
 from specbench.core.records import atomic_write_json
-from specbench.decode.kvcache import PreallocatedCache
 from specbench.decode.tree import ancestor_matrix, batch_tree_mask, node_depths, tree_position_ids
 from specbench.decode.types import SamplingParams
 
@@ -206,8 +205,8 @@ def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: in
                 batch: int = 1, ragged: bool = False) -> TargetCost:
     """One target forward over `batch` rows of Q new tokens each, behind `context` cached ones, per Q in `sizes`, on
     the path the engine takes: the run's cache (model.cache; model.compile's static one) at batch 1, and at batch B
-    (or with `ragged`, decoding.ragged, at any B) generate_batch's (a preallocated cache, a per-row 4D mask and
-    positions, even for one token). The sizes are timed
+    (or with `ragged`, decoding.ragged, at any B) generate_batch's (a preallocated cache, or model.compile's static one
+    of the batch's bucket, a per-row 4D mask and positions, even for one token). The sizes are timed
     in rounds (each round one forward per size, the first round a warm-up), so that a host whose speed drifts during
     the calibration shifts every size alike: the model reads verify(Q) against verify(1), and timing the sizes one
     after another once made that ratio the drift's (AMD EPYC, 2026-11-25: Q = 8 timed 91, 116 and 128 ms in three
@@ -220,7 +219,7 @@ def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: in
     lone = batch == 1 and not ragged  # the target's own path (its cache kind, the causal mask for one token)
 
     def new_cache():
-        return target.new_cache(room) if lone else PreallocatedCache(target.model.config, room)
+        return target.new_cache(room, batch=batch, ragged=not lone)
 
     prefills = []
     for _ in range(3):  # the prefill of a run's prompt

@@ -176,12 +176,6 @@ class Runner:
                                  f"{self.decoding.top_k} >= 0 (0 = off)")
         if self.decoding.batch_size < 1:
             raise SpecbenchError(f"decoding.batch_size={self.decoding.batch_size} must be >= 1")
-        if self.model_cfg.compile and self.decoding.batch_size > 1:
-            raise SpecbenchError(f"model.compile=true decodes one prompt at a time; decoding.batch_size="
-                                 f"{self.decoding.batch_size} runs eagerly: drop one of the two")
-        if self.model_cfg.compile and self.decoding.ragged:
-            raise SpecbenchError("model.compile=true decodes on its static cache; decoding.ragged=true takes the "
-                                 "batch's path: drop one of the two")
         if self.bench.repeats < 1 or self.bench.warmup < 0:
             raise SpecbenchError("bench.repeats must be >= 1 and bench.warmup >= 0")
         self.questions = load_questions(self.dataset_cfg)
@@ -362,7 +356,9 @@ class Runner:
         size = self.decoding.batch_size
         compiled = self.target.compiled
         if compiled is not None:  # the static cache at the largest size any turn can need, before any graph is built on it
-            self.target.new_cache(self._largest_need(todo, context))
+            ragged = size > 1 or self.decoding.ragged  # (the engine gives a batch's cache a tree's room past the context)
+            self.target.new_cache(self._largest_need(todo, context) + (TREE_ROOM if ragged and context else 0),
+                                  batch=size, ragged=ragged)
         for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches
             ids = self.prompt_ids(todo[0][1], 0, [])
             rng = torch.Generator(dev).manual_seed(self.cfg.seed)

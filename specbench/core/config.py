@@ -40,7 +40,7 @@ class ModelConfig:
     cache: str = "dynamic"
     # compile = true: the target's tree forwards run through torch.compile over a static cache, trees padded to
     # fixed row-count buckets (specbench/decode/compiled.py BUCKETS) so nothing recompiles per step (CUDA: with CUDA graphs,
-    # mode reduce-overhead); issue 30
+    # mode reduce-overhead; issue 30); a batch on a static cache of its batch bucket (BATCH_BUCKETS)
     compile: bool = False
     revision: str | None = None
     # drafter -> the hub repository of its authors' published weights for this target (`make download` puts them in

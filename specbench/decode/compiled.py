@@ -3,8 +3,10 @@
 The target's decoder and the drafters' own decoders (EAGLE's one-layer head for eagle / eagle2 / hass / coral, sd's
 draft model) are compiled the same way, gpt-fast's: static shapes, so that a graph is captured once and replayed.
 
-- the cache is a `StaticCache` (specbench/decode/kvcache.py): fixed buffers, rows written at a device-side offset, the host
-  length advanced outside the graph;
+- the cache is a `StaticCache` (specbench/decode/kvcache.py): fixed buffers, each batch row written at its own
+  device-side offset, the host lengths advanced outside the graph;
+- a batch is padded to the cache's batch bucket (BATCH_BUCKETS): the rows past it hold token 0 at position 0 and see
+  their own first entry only (their cache rows are never read); ragged rows come with the caller's per-row mask;
 - a forward of Q <= max(BUCKETS) rows (a tree level, a verified tree, a chain) is padded to the next bucket; padding
   rows hold token 0 (or a zero embedding) at the first row's position, see the first cached entry only, and are
   written past the length that counts (stale);
@@ -31,6 +33,8 @@ log = logging.getLogger("specbench")
 # powers of two only: on a compute-bound device a padding row costs as much as a real one, and Medusa's 20-row tree
 # padded to 32 made its compiled verification slower than the eager one (two_baselines at d1b6ae1: 125 vs 108 ms)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+# batch rows, the same way (a batch past the last is its own bucket)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 STATIC_BLOCK = 256  # static caches, and the context attention reads, in blocks of this many positions
 
 
@@ -78,11 +82,18 @@ class CompiledDecoder:
     def decoder(self) -> nn.Module:
         return self._decoder()
 
-    def new_cache(self, capacity: int | None = None) -> StaticCache:
-        """A cleared static cache for `capacity` positions (rounded up to STATIC_BLOCK, room for a padded tree)."""
+    def new_cache(self, capacity: int | None = None, batch: int = 1) -> StaticCache:
+        """A cleared static cache for `capacity` positions (rounded up to STATIC_BLOCK, room for a padded tree) and
+        `batch` rows (rounded up to a batch bucket). A batch runs on a cache of a larger bucket if one is held (a
+        batch that shrinks as its rows finish, a run's last batch of fewer prompts: the same graphs, the missing rows
+        padding); batch 1 on its own."""
         need = (capacity or 1024) + max(BUCKETS)
-        if self._cache is None or self._cache.capacity < need:
-            self._cache = StaticCache(self.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device, runner=self)
+        rows = next((k for k in BATCH_BUCKETS if k >= batch), batch)
+        held = self._cache
+        if held is None or held.capacity < need or held.batch < rows or (held.batch == 1) != (rows == 1):
+            self._cache = None  # (the old buffers go before the new ones are allocated)
+            self._cache = StaticCache(self.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device, runner=self,
+                                      batch=rows)
         self._cache.reset()
         return self._cache
 
@@ -95,18 +106,22 @@ class CompiledDecoder:
         picked = torch.cat([out.hidden_states[i] for i in layers], -1) if layers else None
         return out.last_hidden_state, picked
 
-    def forward(self, cache: StaticCache, input_ids: torch.Tensor | None = None,  # [B, Q]
-                inputs_embeds: torch.Tensor | None = None,  # [B, Q, H]
-                position_ids: torch.Tensor | None = None,  # [B, Q]
-                attention_mask: torch.Tensor | None = None,  # [B, 1, Q, cached+Q] additive, or None = causal
+    def forward(self, cache: StaticCache, input_ids: torch.Tensor | None = None,  # [A, Q]
+                inputs_embeds: torch.Tensor | None = None,  # [A, Q, H]
+                position_ids: torch.Tensor | None = None,  # [A, Q]
+                attention_mask: torch.Tensor | None = None,  # [A, 1, Q, cached+Q] additive, or None = causal
                 layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (last hidden state [B, Q, H], the `layers`' hidden states concatenated [B, Q, k*H] or None)."""
+        """-> (last hidden state [A, Q, H], the `layers`' hidden states concatenated [A, Q, k*H] or None). A rows
+        (the cache's live rows; a prefill sets them), padded to the cache's batch bucket; `cached` is the longest
+        row's entries (ragged rows: the caller's mask says which columns each row sees)."""
         if cache.runner is not self:
             raise SpecbenchError("model.compile: a static cache runs on the decoder whose graphs were built on it")
         x = input_ids if input_ids is not None else inputs_embeds
         b, q = x.shape[:2]
         dtype = next(self.decoder.parameters()).dtype
         n = cache.get_seq_length()
+        if n > 0 and b != cache.live:
+            raise SpecbenchError(f"model.compile: a forward of {b} rows on a static cache holding {cache.live}")
         if position_ids is None:
             position_ids = torch.arange(n, n + q, device=x.device)[None].expand(b, -1)
         if attention_mask is None:  # causal: the prefix and the rows up to itself (a chain's tree mask)
@@ -116,23 +131,23 @@ class CompiledDecoder:
         if pad is None and n > 0 and not self.warned:  # a tree past the largest bucket: said, not hidden
             self.warned = True
             log.warning("model.compile: a forward of %d rows (more than %d) runs eagerly", q, max(BUCKETS))
-        rows = q if pad is None else pad
-        width = cache.begin(rows, STATIC_BLOCK)
-        mask = attention_mask.new_full((b, 1, rows, width), torch.finfo(attention_mask.dtype).min)
-        mask[:, :, :q, : n + q] = attention_mask
-        # inputs copied into fresh [B, rows] tensors: a graph guards on strides, and a caller's slice of its tokens has
-        # the strides of the whole sequence
-        xs, pos = x.new_zeros(b, rows, *x.shape[2:]), position_ids.new_empty(b, rows)
-        xs[:, :q], pos[:, :q] = x, position_ids
-        x = xs
-        if rows > q:
-            mask[:, :, q:, 0] = 0.0
-            pos[:, q:] = position_ids[:, :1]
-        ids, embeds = (x, None) if input_ids is not None else (None, x)
+        rows, bucket = (q if pad is None else pad), cache.batch
+        width = cache.begin(rows, STATIC_BLOCK, live=b if n == 0 else None)
+        mask = attention_mask.new_full((bucket, 1, rows, width), torch.finfo(attention_mask.dtype).min)
+        mask[:b, :, :q, : n + q] = attention_mask
+        # inputs copied into fresh [bucket, rows] tensors: a graph guards on strides, and a caller's slice of its
+        # tokens has the strides of the whole sequence
+        xs, pos = x.new_zeros(bucket, rows, *x.shape[2:]), position_ids.new_zeros(bucket, rows)
+        xs[:b, :q], pos[:b, :q] = x, position_ids
+        if rows > q:  # padding rows of a tree: at the first row's position, seeing the first cached entry only
+            mask[:b, :, q:, 0] = 0.0
+            pos[:b, q:] = position_ids[:, :1]
+        mask[b:, :, :, 0] = 0.0  # padding rows of the batch bucket: the same, in their own cache rows
+        ids, embeds = (xs, None) if input_ids is not None else (None, xs)
         step = self._step if pad is None else self.step
         hidden, picked = step(ids, embeds, pos, mask, cache, tuple(layers))
         cache.advance(q)
-        return hidden[:, :q], None if picked is None else picked[:, :q]
+        return hidden[:b, :q], None if picked is None else picked[:b, :q]
 
 
 class CompiledDecoders:
@@ -144,11 +159,11 @@ class CompiledDecoders:
         self.device, self.backend = device, backend
         self._by_module: weakref.WeakKeyDictionary[nn.Module, CompiledDecoder] = weakref.WeakKeyDictionary()
 
-    def cache(self, decoder: nn.Module, config, capacity: int) -> StaticCache:
+    def cache(self, decoder: nn.Module, config, capacity: int, batch: int = 1) -> StaticCache:
         runner = self._by_module.get(decoder)
         if runner is None:
             runner = self._by_module[decoder] = CompiledDecoder(decoder, config, self.device, self.backend)
-        return runner.new_cache(capacity)
+        return runner.new_cache(capacity, batch)
 
 
 def decode(decoder: nn.Module, cache, **inputs) -> torch.Tensor:

@@ -9,7 +9,8 @@ size: `generate` is `generate_batch` of one prompt.
 5. one host transfer reads the trees and their outcomes; compact the target cache to the accepted paths, tell the
    drafter; a row stops at EOS or its max_new_tokens and leaves the batch (specbench/decode/rows.py).
 A batch of one keeps the target's own cache kind (model.cache, model.compile), a chain verified under the model's
-causal mask; a larger batch writes ragged rows into a preallocated cache under explicit per-row masks.
+causal mask; a larger batch writes ragged rows into a preallocated cache (model.compile: the static cache of its batch
+bucket) under explicit per-row masks.
 Host round trips per step: the drafter's own (none per node for the tree drafters) plus that one transfer
 (tests/test_roundtrips.py bounds both).
 """
@@ -22,9 +23,7 @@ import torch
 
 from specbench.decode.clock import StepClock, sync
 from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, check_batched, rows_protocol
-from specbench.errors import SpecbenchError
 from specbench.decode.sampling import logits_to_probs, sample
-from specbench.decode.kvcache import PreallocatedCache
 from specbench.decode.rows import Row, Rows
 from specbench.decode.target import TargetModel, cache_kv, compact_cache, compact_rows
 from specbench.decode.tree import ancestor_matrices, batch_tree_mask, is_chain, node_depths, tree_attention_mask
@@ -249,9 +248,6 @@ class Engine:
             raise ValueError(f"{b} prompts, {len(budgets)} budgets and {len(generators)} generators")
         ragged = b > 1 or self.ragged
         check_batched(self.drafter, b)
-        if ragged and target.compiled is not None:  # (a static cache has one length for every row)
-            raise SpecbenchError("model.compile=true decodes one prompt at a time on its static cache "
-                                 "(decoding.batch_size=1, decoding.ragged=false)")
         capture_at = capture_at or {}
         lens = [len(p) for p in prompts]
         sync(devs)
@@ -259,11 +255,11 @@ class Engine:
         # the positions a generation can reach: prompt, new tokens, and one tree past them before compaction
         need = max(lens) + max(budgets) + TREE_ROOM
         if ragged:
-            # ragged rows need buffers written in place: the preallocated cache, whatever model.cache says. Bounded by
-            # the context plus room for one padded tree: every row writes the step's widest tree (padding included),
-            # so a row near the context still writes up to max tree nodes past it (a lone row writes only its own
-            # tree, which the context check keeps inside)
-            cache = PreallocatedCache(target.model.config, min(need, context + TREE_ROOM) if context else need)
+            # ragged rows need buffers written in place: the preallocated cache (model.compile: the static one of a
+            # batch bucket), whatever model.cache says. Bounded by the context plus room for one padded tree: every
+            # row writes the step's widest tree (padding included), so a row near the context still writes up to max
+            # tree nodes past it (a lone row writes only its own tree, which the context check keeps inside)
+            cache = target.new_cache(min(need, context + TREE_ROOM) if context else need, batch=b, ragged=True)
         else:
             cache = target.new_cache(min(need, context) if context else need)  # the context bounds it
         layer_ids = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()  # EAGLE-3's features

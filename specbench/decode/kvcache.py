@@ -15,6 +15,8 @@ entries past its own length are stale, hidden by the engine's per-row mask). No 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -105,7 +107,7 @@ class PreallocatedLayer(CacheLayerMixin):
         self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
         self.length = max(lengths, default=0)
         if self.rows is not None:
-            self.at = at if at is not None else torch.tensor(self.rows, device=self._k.device)
+            self.at = at if at is not None else torch.tensor(self.rows, device=self.write_at.device)
         else:
             self.at = None
 
@@ -192,17 +194,44 @@ class PreallocatedCache(Cache):
         self.set_row_lengths(lengths, at)
 
 
-class StaticLayer(PreallocatedLayer):
-    """model.compile: one layer's buffers at a fixed capacity, which attention reads whole (a static shape for
-    torch.compile and CUDA graphs; the engine's mask hides the columns not in use). A forward writes its rows at the
-    device-side offset `pos` (set by TargetModel before each forward, shared by every layer), so a compiled graph never
-    reads the host's length; the host length (what `keys` / `values` views, crop and compaction use) is advanced by
-    TargetModel after the forward, for the rows that count (a padded tree's padding rows are written past it, stale)."""
+@dataclass
+class StaticWindow:
+    """What every layer of one static cache shares for the forward at hand (set by StaticCache.begin)."""
 
-    def __init__(self, capacity: int, pos: torch.Tensor, width: list[int]):
+    width: int  # the columns attention reads (a context block)
+    live: int  # the batch rows that hold a prompt (the first `live`; the others pad the batch bucket)
+
+
+class StaticLayer(PreallocatedLayer):
+    """model.compile: one layer's buffers at a fixed capacity and a fixed batch (the batch bucket), which attention
+    reads whole (static shapes for torch.compile and CUDA graphs; the engine's mask hides the columns not in use). A
+    forward writes batch row b's rows at the device-side offset `at[b]` (set by StaticCache.begin before each forward,
+    shared by every layer), so a compiled graph never reads the host's lengths; the host lengths (what `keys` /
+    `values` view, crop and compaction use) are advanced by StaticCache.advance after the forward, for the rows that
+    count (a padded tree's padding rows are written past them, stale). Ragged rows (a batch) are PreallocatedLayer's:
+    per-row host lengths and their device copy. The batch rows past `live` pad the bucket: written, never read."""
+
+    def __init__(self, capacity: int, at: torch.Tensor, window: StaticWindow):
         super().__init__(capacity)
-        self.pos = pos  # [] long, on the device
-        self.width = width  # [w]: the columns attention reads this forward (a context block), shared by the layers
+        self.write_at = at  # [batch bucket] long, on the device
+        self.window = window
+
+    # the live rows only (the buffers hold the whole bucket)
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[: self.window.live, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        PreallocatedLayer.keys.fset(self, value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[: self.window.live, :, : self.length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        PreallocatedLayer.values.fset(self, value)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -211,54 +240,96 @@ class StaticLayer(PreallocatedLayer):
         torch._dynamo.mark_static_address(self._v)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states [bucket, kv_heads, Q, head_dim]: batch row b's Q rows written at columns at[b] .. at[b] + Q - 1
+        (one scatter for the batch); returns the buffers up to the window's width."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        idx = torch.arange(key_states.shape[-2], device=key_states.device) + self.pos
-        self._k.index_copy_(2, idx, key_states)
-        self._v.index_copy_(2, idx, value_states)
-        w = self.width[0]
+        cols = self.write_at[:, None] + torch.arange(key_states.shape[-2], device=key_states.device)  # [bucket, Q]
+        rows = torch.arange(cols.shape[0], device=cols.device)[:, None]
+        # (advanced indices around a slice put their axes first: the target is [bucket, Q, kv_heads, head_dim])
+        self._k[rows, :, cols] = key_states.transpose(1, 2)
+        self._v[rows, :, cols] = value_states.transpose(1, 2)
+        w = self.window.width
         return self._k[:, :, :w], self._v[:, :, :w]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.width[0], 0
+        return self.window.width, 0
 
     def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
-        if len(set(lengths)) > 1:
-            raise SpecbenchError("model.compile decodes one row at a time (its cache has no ragged rows)")
-        super().set_row_lengths(lengths, at)
+        if self._k is not None and len(lengths) > self._k.shape[0]:
+            raise ValueError(f"{len(lengths)} row lengths for a static cache of {self._k.shape[0]} rows")
+        self.window.live = len(lengths)
+        self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
+        self.length = max(lengths, default=0)
+        self.at = None if self.rows is None else at if at is not None else torch.tensor(self.rows, device=self.write_at.device)
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, keep: int) -> None:
+        """As PreallocatedLayer's, but the buffers keep their bucket of rows (the graphs hold them): the rows past
+        `keep` are padding from now on."""
+        if self._k is not None and src.numel():
+            self._k[dst] = self._k[src]
+            self._v[dst] = self._v[src]
+        self.window.live = keep
 
 
-class StaticCache(Cache):
-    """model.compile's cache: StaticLayer buffers of `capacity` positions for every decoder layer of `config`, kept by
-    the compiled decoder that runs on it (`runner`, specbench/decode/compiled.py: the target's or a drafter's) and reused
-    across generations (its graphs hold on to them)."""
+class StaticCache(PreallocatedCache):
+    """model.compile's cache: StaticLayer buffers of `capacity` positions and `batch` rows (a batch bucket) for every
+    decoder layer of `config`, kept by the compiled decoder that runs on it (`runner`, specbench/decode/compiled.py:
+    the target's or a drafter's) and reused across generations (its graphs hold on to them). A batch of fewer rows
+    than the bucket runs in its first rows, the rest padding; rows are ragged as PreallocatedCache's."""
 
-    def __init__(self, config, capacity: int, device: torch.device, runner=None):
+    def __init__(self, config, capacity: int, device: torch.device, runner=None, batch: int = 1):
         PreallocatedCache(config, 1)  # the same refusal of sliding-window layers
         text = config.get_text_config(decoder=True)
-        self.pos = torch.zeros((), dtype=torch.long, device=device)
-        self.capacity = capacity
-        self.width = [capacity]
+        self.at = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] where each row writes
+        self.capacity, self.batch = capacity, batch
+        self.window = StaticWindow(width=capacity, live=batch)
         self.runner = runner  # the CompiledDecoder whose graphs are built on these buffers
-        super().__init__(layers=[StaticLayer(capacity, self.pos, self.width) for _ in range(text.num_hidden_layers)])
+        Cache.__init__(self, layers=[StaticLayer(capacity, self.at, self.window) for _ in range(text.num_hidden_layers)])
 
-    def begin(self, rows: int, block: int | None = None) -> int:
-        """Where the next forward writes its `rows` rows: behind the entries in use; past the capacity is refused (the
-        engine sizes the capacity to the run: prompt, new tokens and the largest padded tree). Attention reads the
-        entries up to the end of their `block`-sized context block (all of the capacity without one): one graph per
-        block, not per length. Returns that width."""
+    @property
+    def live(self) -> int:
+        """The batch rows in use (the first ones)."""
+        return self.window.live
+
+    def row_lengths(self) -> list[int]:
+        layer = self.layers[0]
+        return list(layer.rows) if layer.rows is not None else [layer.length] * self.live
+
+    def begin(self, rows: int, block: int | None = None, live: int | None = None) -> int:
+        """Where the next forward writes its `rows` rows: every live row behind its own entries (the padding rows of
+        the bucket at 0, in their own unused rows); past the capacity is refused (the engine sizes the capacity to the
+        run: prompt, new tokens and the largest padded tree). Attention reads the entries up to the end of their
+        `block`-sized context block (all of the capacity without one): one graph per block, not per length. `live`:
+        the rows of a forward on an empty cache (a prefill; later forwards keep the cache's). Returns that width."""
+        if live is not None:
+            if live > self.batch:
+                raise SpecbenchError(f"model.compile: {live} rows on a static cache of {self.batch}")
+            self.window.live = live
         n = self.get_seq_length()
         if n + rows > self.capacity:
             raise SpecbenchError(f"model.compile: {n + rows} positions exceed the static cache's {self.capacity}")
-        self.pos.fill_(n)
-        self.width[0] = self.capacity if block is None else min(self.capacity, block * -(-(n + rows) // block))
-        return self.width[0]
+        first = self.layers[0]
+        if first.rows is None:
+            self.at.fill_(n)
+        else:
+            self.at[: self.live].copy_(first.at)
+        self.at[self.live :] = 0
+        self.window.width = self.capacity if block is None else min(self.capacity, block * -(-(n + rows) // block))
+        return self.window.width
 
     def advance(self, rows: int) -> None:
-        """The forward's first `rows` rows now count as cached."""
+        """The forward's first `rows` rows now count as cached, in every live row."""
+        first = self.layers[0]
+        if first.rows is None:
+            for layer in self.layers:
+                layer.length += rows
+            return
+        lengths, at = [n + rows for n in first.rows], first.at + rows
         for layer in self.layers:
-            layer.length += rows
+            layer.rows, layer.at, layer.length = lengths, at, max(lengths)
 
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        self.window.live = self.batch

@@ -64,29 +64,30 @@ class TargetModel:
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def new_cache(self, capacity: int | None = None) -> Cache:
+    def new_cache(self, capacity: int | None = None, batch: int = 1, ragged: bool = False) -> Cache:
         """A fresh cache for one generation; `capacity`: the positions it will hold (a preallocated cache sizes its
-        buffers to it; it grows past it if it must). Compiled: the compiled decoder's one static cache, cleared
-        (specbench/decode/compiled.py: reused across generations, replaced by a larger one only when one needs more)."""
+        buffers to it; it grows past it if it must). Compiled: the compiled decoder's one static cache for `batch`
+        rows, cleared (specbench/decode/compiled.py: reused across generations, replaced when one needs more
+        positions or another batch bucket). ragged: `batch` rows each written at its own length (batched decoding): a
+        preallocated cache when not compiled, whatever model.cache says."""
         if self.compiled is not None:
-            return self.compiled.new_cache(capacity)
-        if self.cache == "preallocated":
+            return self.compiled.new_cache(capacity, batch)
+        if ragged or self.cache == "preallocated":
             return PreallocatedCache(self.model.config, capacity or 1024)
         return DynamicCache(config=self.model.config)
 
-    def drafter_cache(self, config, capacity: int, decoder: nn.Module | None = None, ragged: bool = False) -> Cache:
+    def drafter_cache(self, config, capacity: int, decoder: nn.Module | None = None, ragged: bool = False,
+                      rows: int = 1) -> Cache:
         """A cache of the target's kind (model.cache) for a drafter's own decoder of `config` (EAGLE's head, sd's
         draft model): `capacity` positions, grown past them if it must. Compiled, for a drafter that names its
-        `decoder` and runs it through specbench.compiled.decode: that decoder's static cache (its graphs built on it).
-        ragged: the rows of a batch, each written at its own length: a preallocated cache, whatever model.cache says
-        (as the engine's own for B > 1)."""
-        if ragged:
-            return PreallocatedCache(config, capacity)
+        `decoder` and runs it through specbench.compiled.decode: that decoder's static cache for `rows` batch rows
+        (its graphs built on it). ragged: the `rows` rows of a batch, each written at its own length: a static cache
+        as above, else a preallocated one, whatever model.cache says (as the engine's own for B > 1)."""
         if self.drafter_decoders is not None and decoder is not None:
             # a static cache cannot grow: room for as much as the target's, which is sized to this generation
             held = self.compiled.capacity
-            return self.drafter_decoders.cache(decoder, config, max(capacity, held))
-        if self.cache == "preallocated":
+            return self.drafter_decoders.cache(decoder, config, max(capacity, held), rows)
+        if ragged or self.cache == "preallocated":
             return PreallocatedCache(config, capacity)
         return DynamicCache(config=config)
 

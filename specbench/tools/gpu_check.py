@@ -4,8 +4,8 @@ A GPU reaches this project rarely and briefly (a bare machine: torch and transfo
 downloaded: every target is built on the device from a Llama config with random weights.
 
   1. lossless: a tiny fp32 target; every drafter config (conf/drafter/*.yaml, untrained modules of the right shape)
-     decodes the prompts eager, compiled (model.compile) and eager as one batch, tokens equal to the target's own
-     greedy output; and one
+     decodes the prompts eager and compiled (model.compile), one at a time and as one batch, tokens equal to the
+     target's own greedy output; and one
      T > 0 case: the first drafted step's token law against the target's exact one (a chi-square test);
   2. per real shape (random bf16 Llama-2-7B and Llama-3-8B, GQA; `--shapes`), one prompt of `--prompt` tokens and
      `--new` new tokens:
@@ -20,8 +20,8 @@ downloaded: every target is built on the device from a Llama config with random 
        (the order-dependence of cuDNN's per-shape plans; the SDPA backends are fixed, `--sdpa`, and recorded);
      - the compiled baseline step's device time by kernel class (matmul, attention, norms and elementwise, copies)
        and the idle gap between kernels (torch.profiler);
-     - the batch sweep (`--batch-drafters`, `--batch-sizes`, eager): draft ms per step and per row-step, verify ms
-       per step, tokens/s, for B ragged prompts decoded together;
+     - the batch sweep (`--batch-drafters`, `--batch-sizes`, eager and compiled): draft ms per step and per
+       row-step, verify ms per step, tokens/s, for B ragged prompts decoded together;
      - transformers' generate last (its static cache compiles for a minute).
   A deadline (`--deadline`, seconds) stops new parts from starting and records which were left out; the record is
   written after every part, so a call cut short keeps what it measured.
@@ -171,10 +171,11 @@ def check_lossless(device: torch.device, names: list[str], new: int) -> dict:
             engine = Engine(target, make_drafter(name, target), SamplingParams())
             bad = [i for i, (p, ref) in enumerate(zip(TINY_PROMPTS, refs)) if engine.generate(p, new).new_tokens != ref]
             found[f"{name} {'compiled' if compiled else 'eager'}"] = "ok" if not bad else f"prompts {bad} differ"
-            if not compiled:  # the prompts decoded together (ragged rows): each row its greedy output
-                rows = Engine(target, make_drafter(name, target), SamplingParams()).generate_batch(TINY_PROMPTS, new).rows
-                bad = [i for i, (g, ref) in enumerate(zip(rows, refs)) if g.new_tokens != ref]
-                found[f"{name} batch"] = "ok" if not bad else f"rows {bad} differ"
+            # the prompts decoded together (ragged rows; compiled: the static cache of their batch bucket): each row
+            # its greedy output
+            rows = Engine(target, make_drafter(name, target), SamplingParams()).generate_batch(TINY_PROMPTS, new).rows
+            bad = [i for i, (g, ref) in enumerate(zip(rows, refs)) if g.new_tokens != ref]
+            found[f"{name} batch{' compiled' if compiled else ''}"] = "ok" if not bad else f"rows {bad} differ"
     return found
 
 
@@ -317,7 +318,8 @@ def published_board() -> dict[str, dict]:
 
 
 def batch_costs(target: TargetModel, name: str, prompt: list[int], sizes, new: int) -> dict:
-    """One drafter eager at each batch size: B ragged prompts (the prompt cut by 0..7 tokens) decoded together, after
+    """One drafter at each batch size (eager, or compiled on a static cache of the batch's bucket: the target's
+    path): B ragged prompts (the prompt cut by 0..7 tokens) decoded together, after
     an untimed decode of the same batch; the step's draft and verify ms, the draft ms per row-step (the batch's draft
     time over the rows drafted for), and throughput."""
     out = {}
@@ -336,7 +338,8 @@ def batch_costs(target: TargetModel, name: str, prompt: list[int], sizes, new: i
 
 def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtype, names: list[str],
                 prompt_len: int, new: int, repeats: int, budget: Budget, tree_sizes=TREE_SIZES,
-                batch_names: tuple[str, ...] = (), batch_sizes: tuple[int, ...] = ()) -> dict:
+                batch_names: tuple[str, ...] = (), batch_sizes: tuple[int, ...] = (),
+                batch_modes: tuple[str, ...] = ("eager", "compiled")) -> dict:
     """The tables of one real shape, filled part by part into budget.check.shapes[label] (saved after each part):
     the ms-per-token paths, verify against tree size, the compiled step's profile, the drafters eager and compiled,
     the batch sweep, transformers' generate."""
@@ -392,9 +395,11 @@ def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtyp
             budget.done()
     batch = row.setdefault("batch", {})
     for name in batch_names:
-        if budget.allows(f"{label} batch {name}"):
-            batch[name] = batch_costs(targets["eager, dynamic cache"], name, prompt, batch_sizes, new)
-            budget.done()
+        for mode in batch_modes:
+            target = targets["compiled" if mode == "compiled" else "eager, dynamic cache"]
+            if budget.allows(f"{label} batch {name} {mode}"):
+                batch[f"{name} {mode}"] = batch_costs(target, name, prompt, batch_sizes, new)
+                budget.done()
     ids = torch.tensor([prompt], device=device)
     for static in (False, True):
         path = f"transformers generate, {'static cache compiled' if static else 'eager'}"
@@ -446,7 +451,7 @@ def markdown(check: Check) -> str:
             out += [f"| {k} | {v['first']['draft']:.2f} / {v['first']['verify']:.2f} | {v['repeat']['draft']:.2f} / "
                     f"{v['repeat']['verify']:.2f} | {v['ratio']:.2f} |" for k, v in row["first_pass"].items()]
         if row.get("batch"):
-            out += ["", "| drafter (eager), B | draft ms / step | draft ms / row-step | verify ms / step | tokens/s | τ |",
+            out += ["", "| drafter and path, B | draft ms / step | draft ms / row-step | verify ms / step | tokens/s | τ |",
                     "|---|---|---|---|---|---|"]
             out += [f"| {name}, {b} | {c['draft_ms_per_step']:.2f} | {c['draft_ms_per_row_step']:.2f} | "
                     f"{c['verify_ms_per_step']:.2f} | {c['tokens_per_s']:.1f} | {c['tau']:.2f} |"
@@ -489,7 +494,8 @@ def run(args, save=lambda check: None) -> Check:
             check_shape(label, shapes[label], device, dtype, timed_names, args.prompt, args.new, args.repeats, budget,
                         tuple(int(n) for n in args.tree_sizes.split(",")),
                         tuple(n for n in args.batch_drafters.split(",") if n),
-                        tuple(int(n) for n in args.batch_sizes.split(",")))
+                        tuple(int(n) for n in args.batch_sizes.split(",")),
+                        tuple(m for m in args.batch_modes.split(",") if m))
             print(f"{label}: {time.perf_counter() - t0:.0f} s", flush=True)
     return check
 
@@ -512,8 +518,11 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--drafters", default="", help="comma-separated (default: every conf/drafter config)")
     p.add_argument("--timed-drafters", default="", help="the drafters timed on the real shapes (default: --drafters)")
     p.add_argument("--batch-drafters", default="none,pld,medusa,eagle2",
-                   help="the drafters of the batch sweep on the real shapes (eager), comma-separated; empty: none")
+                   help="the drafters of the batch sweep on the real shapes (eager and compiled), comma-separated; "
+                        "empty: none")
     p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--batch-modes", default="eager,compiled", choices=["eager", "compiled", "eager,compiled"],
+                   help="the batch sweep's paths")
     p.add_argument("--deadline", type=float, default=420.0,
                    help="seconds after which no part starts (the parts left out are recorded)")
     p.add_argument("--prompt", type=int, default=100, help="prompt tokens of the timed decodes")
