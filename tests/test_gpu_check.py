@@ -61,3 +61,28 @@ def test_a_part_past_the_deadline_is_left_out_recorded_and_the_record_saved_afte
     assert not budget.allows("b") and not budget.allows("c")
     budget.done()
     assert budget.check.skipped == ["b", "c"] and saved == [[], ["b", "c"]]
+
+
+def test_a_kernel_is_counted_once_not_again_under_the_op_that_launched_it():
+    """torch.profiler gives a CPU op the device time of the kernels it launched: on CUDA only the device's events
+    count (the H200 record of b6de4c9 counted both: "other" 4.77 ms beside matmul 4.62, a busy time past the wall)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from specbench.tools.gpu_check import kernel_classes
+
+    def evt(key, device, self_device=0.0, self_cpu=0.0):
+        return SimpleNamespace(key=key, device_type=device, self_device_time_total=self_device,
+                               self_cpu_time_total=self_cpu)
+
+    events = [evt("aten::mm", DeviceType.CPU, self_device=100.0, self_cpu=30.0),
+              evt("sm90_xmma_gemm_bf16bf16_bf16f32", DeviceType.CUDA, self_device=100.0),
+              evt("aten::_efficient_attention_forward", DeviceType.CPU, self_device=20.0, self_cpu=5.0),
+              evt("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", DeviceType.CUDA, self_device=20.0),
+              evt("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, self_device=3.0),
+              evt("cudaLaunchKernel", DeviceType.CPU, self_cpu=50.0)]
+    cuda = kernel_classes(events, cuda=True)
+    assert cuda["matmul"] == 100.0 and cuda["copies"] == 3.0 and sum(cuda.values()) == 123.0
+    cpu = kernel_classes(events, cuda=False)
+    assert cpu["matmul"] == 30.0 and cpu["attention"] == 5.0 and sum(cpu.values()) == 35.0
