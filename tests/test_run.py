@@ -283,7 +283,6 @@ def test_an_hf_draft_runs_without_a_specbench_checkpoint(make_cfg, tmp_path, tin
     ("decoding.batch_size=0", "decoding.batch_size=0 must be >= 1"),
     # a batch of 4 over 2 questions decodes 2 rows: the batch table would label it B=4
     ("decoding.batch_size=4 dataset.limit=2", "decoding.batch_size=4 needs at least that many questions"),
-    ("decoding.ragged=true model.compile=true", "decoding.ragged=true takes the batch's path"),
 ])
 def test_bad_decoding_parameters_are_refused_before_anything_runs(make_cfg, tmp_path, override, message):
     """temperature=-1 ran as greedy without a word."""
