@@ -27,6 +27,21 @@ def test_round_trips_per_step(name):
     assert rt["draft_per_step"] <= DRAFT_BOUND.get(name, 0), rt
 
 
+@pytest.mark.parametrize("name", DRAFTER_CONFIGS)
+def test_round_trips_per_step_at_batch_4(name):
+    """At B = 4 (ragged prompts, rows finishing at different steps): one engine read per step for all rows, plus one
+    host -> device copy each time rows leave the batch (the new row order: at most B - 1 such steps), and each
+    drafter within its batch-1 bound (its reads are per step, not per row)."""
+    target = target_for()
+    engine = Engine(target, make_drafter(name, target), SamplingParams())
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1][:9]]
+    rt = count_round_trips(engine, prompts, 30)
+    steps = rt["steps"]
+    assert steps >= 5 and rt["draft_per_step"] <= DRAFT_BOUND.get(name, 0), rt
+    leaves = round((rt["per_step"] - rt["draft_per_step"] - 1) * steps)  # the engine's besides its one read a step
+    assert 0 <= leaves <= len(prompts) - 1, rt
+
+
 def test_sampling_steps_read_once():
     """At T>0 too (rejection sampling over a tree, deterministic or sampled siblings, the recovered token drawn on
     the device): the engine reads once per step."""
@@ -132,11 +147,11 @@ def test_drafters_propose_the_recorded_trees():
 
 
 def test_the_step_loop_waits_for_the_device_only_at_its_one_read():
-    """No synchronisation inside the decode loop at B = 1 or B = 3: the phases are marked (StepClock), and the
+    """No synchronisation inside the decode loop at B = 1 or B = 4: the phases are marked (StepClock), and the
     generation waits once at its end; so a longer decode has the same count of syncs, and its only per-step wait is
     the engine's one read (counted above)."""
     target = target_for()
-    for prompts in (PROMPTS[:1], PROMPTS):
+    for prompts in (PROMPTS[:1], [*PROMPTS, PROMPTS[1][:9]]):
         engine = Engine(target, make_drafter("eagle2", target), SamplingParams())
         engine.generate_batch(prompts, 4)
         syncs = []

@@ -67,18 +67,24 @@ class CountedDrafter:
         return self.inner.keep_rows(leave)
 
 
-def count_round_trips(engine: Engine, ids: list[int], max_new: int) -> dict:
+def count_round_trips(engine: Engine, ids: list[int] | list[list[int]], max_new: int) -> dict:
     """Host round trips per verification step: (all of a generation - a prefill-only generation) / steps, after an
-    uncounted generation (one-time set-up such as a static tree's index tensors is not the hot path)."""
+    uncounted generation (one-time set-up such as a static tree's index tensors is not the hot path). `ids`: one
+    prompt, or a batch of prompts decoded together (steps: the batch's forwards)."""
     inner = engine.drafter
-    engine.generate(ids, max_new)
+    batch = bool(ids) and isinstance(ids[0], list)
+
+    def generate(n: int):
+        return engine.generate_batch(ids, n) if batch else engine.generate(ids, n)
+
+    generate(max_new)
     with HostRoundTrips() as prefill_only:
-        engine.generate(ids, 1)
+        generate(1)
     counted = CountedDrafter(inner)
     engine.drafter = counted
     try:
         with HostRoundTrips() as whole:
-            g = engine.generate(ids, max_new)
+            g = generate(max_new)
     finally:
         engine.drafter = inner
     steps = max(g.steps, 1)
