@@ -67,9 +67,11 @@ class Rows:
         """Drop the rows `done` (their places) from the batch; returns the Leave every other holder applies."""
         index = swap_remove(len(self.live), done)
         moves = [(old, new) for new, old in enumerate(index) if old != new]
-        # one host -> device copy for the step: the index and the moves
-        flat = torch.tensor(index + [m[0] for m in moves] + [m[1] for m in moves], dtype=torch.long,
-                            device=self.ids.device)
+        # one host -> device copy for the step: the index and the moves. On CUDA from pinned memory, asynchronous: a
+        # blocking copy from pageable memory would wait for the stream (a stall of the device queue per leave)
+        flat = torch.tensor(index + [m[0] for m in moves] + [m[1] for m in moves], dtype=torch.long)
+        dev = self.ids.device
+        flat = flat.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else flat.to(dev)
         k, m = len(index), len(moves)
         step = Leave(index, flat[:k], flat[k : k + m], flat[k + m :])
         self.live = [self.live[i] for i in index]
