@@ -35,20 +35,21 @@ def test_every_drafter_decodes_its_greedy_output_compiled(compiled, name):
 
 
 def test_nothing_recompiles_once_the_buckets_are_warm(compiled, monkeypatch):
-    """The Runner's warm pass: once the prompts were decoded (sd: the target's chain bucket, its draft model's
-    catch-up buckets; the baseline: one token), decoding them again recompiles nothing, and the steps ran through the
-    compiled graphs (not the eager fallback, where error_on_recompile would have nothing to catch). (Other prompts may
-    need a bucket these did not: sd's catch-up is as long as its last acceptance.)"""
+    """After one generation, the baseline (one token a step: bucket 1 at every length) decodes other prompts without a
+    recompile: no graph per length. sd's buckets (its chain on the target, its draft model's catch-up, as long as its
+    last acceptance) are warm once the prompts were decoded, and their replay recompiles nothing (the Runner's warm
+    pass). The steps ran through the compiled graphs, not the eager fallback, where error_on_recompile would have
+    nothing to catch."""
     calls = []
     step = compiled.compiled.step
     monkeypatch.setattr(compiled.compiled, "step", lambda *a: calls.append(1) or step(*a))
-    engines = [Engine(compiled, make_drafter(n, compiled), SamplingParams()) for n in ("none", "sd")]
-    for engine in engines:
-        for prompt in PROMPTS:
-            engine.generate(prompt, 30)
+    none, sd = (Engine(compiled, make_drafter(n, compiled), SamplingParams()) for n in ("none", "sd"))
+    none.generate(PROMPTS[0], 30)
+    for prompt in PROMPTS:
+        sd.generate(prompt, 30)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for engine in engines:
-            for prompt in PROMPTS:
+        for engine, prompts in ((none, PROMPTS[1:]), (sd, PROMPTS)):
+            for prompt in prompts:
                 calls.clear()
                 assert engine.generate(prompt, 30).new_tokens == hf_greedy(compiled.model, prompt, 30)
                 assert len(calls) > 1  # every step after the (eager) prefill
@@ -114,7 +115,9 @@ def test_a_batch_recompiles_nothing_once_warm(compiled):
             out = engine.generate_batch(prompts, [9, 5, 7][: len(prompts)])
             assert [g.new_tokens for g in out.rows] == [hf_greedy(compiled.model, p, n)
                                                         for p, n in zip(prompts, [9, 5, 7])]
-    assert compiled.new_cache(64, batch=2).batch == 4 and compiled.new_cache(64).batch == 1
+    batch_cache = compiled.new_cache(64, batch=2)
+    assert batch_cache.batch == 4 and compiled.new_cache(64).batch == 1
+    assert compiled.new_cache(64, batch=3) is batch_cache  # (a one-row generation between batches keeps it)
 
 
 def test_compiled_batches_run_through_the_runner(make_cfg, monkeypatch):

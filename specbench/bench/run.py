@@ -355,10 +355,14 @@ class Runner:
         context = self.target.max_positions
         size = self.decoding.batch_size
         compiled = self.target.compiled
-        if compiled is not None:  # the static cache at the largest size any turn can need, before any graph is built on it
-            ragged = size > 1 or self.decoding.ragged  # (the engine gives a batch's cache a tree's room past the context)
-            self.target.new_cache(self._largest_need(todo, context) + (TREE_ROOM if ragged and context else 0),
-                                  batch=size, ragged=ragged)
+        if compiled is not None:  # the static caches at the largest size any turn can need, before any graph is built on
+            # them: the batch's and, for a last group of one prompt, one row's (the engine gives a batch's cache a
+            # tree's room past the context)
+            ragged = size > 1 or self.decoding.ragged
+            most = self._largest_need(todo, context) + (TREE_ROOM if ragged and context else 0)
+            self.target.new_cache(most, ragged=self.decoding.ragged)
+            if size > 1:
+                self.target.new_cache(most, batch=size, ragged=True)
         for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches
             ids = self.prompt_ids(todo[0][1], 0, [])
             rng = torch.Generator(dev).manual_seed(self.cfg.seed)

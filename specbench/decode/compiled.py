@@ -63,20 +63,22 @@ def compiled_graphs() -> int:
 
 class CompiledDecoder:
     """One decoder (an HF base model: layers and final norm, no LM head) compiled for tree forwards on its static
-    caches. `new_cache` hands out the cache the graphs are built on: one, reused across generations, replaced by a
-    larger one only when a generation needs more (its graphs are then built anew)."""
+    caches. `new_cache` hands out the cache the graphs are built on: two at most, one row's and a batch bucket's (a
+    batched run's last group may hold one prompt), each reused across generations, replaced by a larger one only when
+    a generation needs more (its graphs are then built anew)."""
 
     def __init__(self, decoder: nn.Module, config, device: torch.device, backend: bool | str):
         self._decoder = weakref.ref(decoder)  # (weak: CompiledDecoders keys on the decoder, and a value must not keep it)
         self.config, self.device = config, device
         self.step = torch_compile(self._step, device, backend)
-        self._cache: StaticCache | None = None
+        self._caches: dict[bool, StaticCache] = {}  # batch 1 or not -> its cache
+        self._last: StaticCache | None = None  # the one handed out last
         self.warned = False  # a forward of more rows than the largest bucket was logged
 
     @property
     def capacity(self) -> int:
-        """Positions the static cache in use holds (0 before the first)."""
-        return 0 if self._cache is None else self._cache.capacity
+        """Positions the static cache handed out last holds (0 before the first)."""
+        return 0 if self._last is None else self._last.capacity
 
     @property
     def decoder(self) -> nn.Module:
@@ -84,18 +86,21 @@ class CompiledDecoder:
 
     def new_cache(self, capacity: int | None = None, batch: int = 1) -> StaticCache:
         """A cleared static cache for `capacity` positions (rounded up to STATIC_BLOCK, room for a padded tree) and
-        `batch` rows (rounded up to a batch bucket). A batch runs on a cache of a larger bucket if one is held (a
+        `batch` rows (rounded up to a batch bucket). A batch runs on the held batch cache if its bucket is as large (a
         batch that shrinks as its rows finish, a run's last batch of fewer prompts: the same graphs, the missing rows
-        padding); batch 1 on its own."""
+        padding); batch 1 on a cache of its own, kept beside it."""
         need = (capacity or 1024) + max(BUCKETS)
         rows = next((k for k in BATCH_BUCKETS if k >= batch), batch)
-        held = self._cache
-        if held is None or held.capacity < need or held.batch < rows or (held.batch == 1) != (rows == 1):
-            self._cache = None  # (the old buffers go before the new ones are allocated)
-            self._cache = StaticCache(self.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device, runner=self,
-                                      batch=rows)
-        self._cache.reset()
-        return self._cache
+        lone = rows == 1
+        held = self._caches.get(lone)
+        if held is None or held.capacity < need or held.batch < rows:
+            self._caches.pop(lone, None)  # (the old buffers go before the new ones are allocated)
+            self._last = None
+            held = self._caches[lone] = StaticCache(self.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device,
+                                                    runner=self, batch=rows)
+        held.reset()
+        self._last = held
+        return held
 
     def _step(self, ids: torch.Tensor | None, embeds: torch.Tensor | None, pos: torch.Tensor, mask: torch.Tensor,
               cache: StaticCache, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:

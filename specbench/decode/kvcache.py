@@ -107,7 +107,7 @@ class PreallocatedLayer(CacheLayerMixin):
         self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
         self.length = max(lengths, default=0)
         if self.rows is not None:
-            self.at = at if at is not None else torch.tensor(self.rows, device=self.write_at.device)
+            self.at = at if at is not None else torch.tensor(self.rows, device=self._k.device)
         else:
             self.at = None
 
