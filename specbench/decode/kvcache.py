@@ -39,10 +39,20 @@ class PreallocatedLayer(CacheLayerMixin):
         self._v: torch.Tensor | None = None
         super().__init__()  # (assigns keys / values = None: the setters below accept that)
 
+    @property
+    def live_rows(self) -> int | None:
+        """The batch rows in use, the first ones (None: every row of the buffers)."""
+        return None
+
+    def _hold(self, rows: int) -> None:
+        """From now on the first `rows` batch rows are in use: here, every row of the buffers."""
+        if self._k is not None and rows != self._k.shape[0]:
+            raise ValueError(f"{rows} row lengths for a batch of {self._k.shape[0]}")
+
     # keys / values: views of the rows in use (what DynamicCache's layer holds), writable in place
     @property
     def keys(self) -> torch.Tensor | None:
-        return None if self._k is None else self._k[:, :, : self.length]
+        return None if self._k is None else self._k[: self.live_rows, :, : self.length]
 
     @keys.setter
     def keys(self, value: torch.Tensor | None) -> None:
@@ -51,7 +61,7 @@ class PreallocatedLayer(CacheLayerMixin):
 
     @property
     def values(self) -> torch.Tensor | None:
-        return None if self._v is None else self._v[:, :, : self.length]
+        return None if self._v is None else self._v[: self.live_rows, :, : self.length]
 
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
@@ -102,8 +112,7 @@ class PreallocatedLayer(CacheLayerMixin):
     def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
         """Row b holds lengths[b] entries from now on (after a per-row compaction); equal lengths end raggedness.
         `at` [B]: the same lengths on the device (the engine keeps them there; else copied from the host)."""
-        if self._k is not None and len(lengths) != self._k.shape[0]:
-            raise ValueError(f"{len(lengths)} row lengths for a batch of {self._k.shape[0]}")
+        self._hold(len(lengths))
         self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
         self.length = max(lengths, default=0)
         if self.rows is not None:
@@ -216,22 +225,14 @@ class StaticLayer(PreallocatedLayer):
         self.write_at = at  # [batch bucket] long, on the device
         self.window = window
 
-    # the live rows only (the buffers hold the whole bucket)
     @property
-    def keys(self) -> torch.Tensor | None:
-        return None if self._k is None else self._k[: self.window.live, :, : self.length]
+    def live_rows(self) -> int:
+        return self.window.live  # (the buffers hold the whole bucket)
 
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        PreallocatedLayer.keys.fset(self, value)
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        return None if self._v is None else self._v[: self.window.live, :, : self.length]
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        PreallocatedLayer.values.fset(self, value)
+    def _hold(self, rows: int) -> None:
+        if self._k is not None and rows > self._k.shape[0]:
+            raise ValueError(f"{rows} row lengths for a static cache of {self._k.shape[0]} rows")
+        self.window.live = rows
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -254,14 +255,6 @@ class StaticLayer(PreallocatedLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.window.width, 0
-
-    def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
-        if self._k is not None and len(lengths) > self._k.shape[0]:
-            raise ValueError(f"{len(lengths)} row lengths for a static cache of {self._k.shape[0]} rows")
-        self.window.live = len(lengths)
-        self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
-        self.length = max(lengths, default=0)
-        self.at = None if self.rows is None else at if at is not None else torch.tensor(self.rows, device=self.write_at.device)
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, keep: int) -> None:
         """As PreallocatedLayer's, but the buffers keep their bucket of rows (the graphs hold them): the rows past
