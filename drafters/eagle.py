@@ -19,6 +19,8 @@ target's, which the target's config records). The concatenation order is
 The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entries are appended while a tree grows
 (tree attention over the draft's own cache) and cropped off before verification; after verification the new pairs
 (true features of the root and the accepted path, with the next tokens) are appended at the next propose.
+With model.compile the head runs on a static cache, and the whole tree after the root (every level's head forward,
+LM head, top-k and the policy's bookkeeping) is one compiled region (drafters/trees.py CompiledTree, issue 48).
 
 Draft vocabulary (`+drafter.module.draft_vocab=N`, eagle / eagle2 / hass / coral; not EAGLE's, EAGLE-3's idea applied
 at decoding time): drafted rows are scored by the N rows of the target's LM head for the N most frequent answer
@@ -40,9 +42,10 @@ from transformers import DynamicCache
 from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
-from drafters.trees import GrowingTree, Level, make_tree
+from drafters.trees import CompiledTree, GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import decode
+from specbench.decode.kvcache import StaticCache
 from specbench.errors import SpecbenchError
 from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -63,13 +66,13 @@ class EagleHead(nn.Module):
 
     def forward(self, emb: torch.Tensor, feat: torch.Tensor, cache: DynamicCache | None = None,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                route: bool = False, **attention):
+                route: bool = False, laid_out: bool = False, **attention):
         """emb, feat [B, Q, H] -> predicted next features [B, Q, H]; with route=True also the router's group logits
         [B, Q, N]. `attention`: keywords for the layer's attention function (HASS's training form, drafters/hass.py)."""
         x = self.fc(torch.cat([emb, feat], dim=-1))
         # (on model.compile's static cache, the compiled body: specbench/decode/compiled.py)
-        out = decode(self.body, cache, inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
-                     **attention)
+        out = decode(self.body, cache, laid_out, inputs_embeds=x, position_ids=position_ids,
+                     attention_mask=attention_mask, **attention)
         return (out, self.router(out)) if route else out
 
 
@@ -157,6 +160,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
         self.verified = [0]  # pairs of verified tokens in the head's cache, per batch row
         self.ragged = False  # a batch's ragged rows (prefill_rows with several): the head's cache in ragged rows
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (features [B,n,H], next tokens [B,n])
+        self.region = CompiledTree()  # model.compile: the tree's growth, compiled
 
     @classmethod
     def pruned_head(cls, target, checkpoint: str | None, module: dict) -> PrunedLMHead | None:
@@ -255,7 +259,6 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
             out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos)
             root_f = out[:, -1]  # [1, H]
             self.verified = [v + n]
-            root_logits = self._logits(root_f[0])[None]  # (a vector through the LM head, as ever at batch 1)
         else:  # row b's pairs at positions verified[b] + j, j < fresh[b], causal among themselves
             self.cache.set_row_lengths(self.verified, self.verified_t)
             pos = self.verified_t[:, None] + torch.arange(n, device=dev)
@@ -267,36 +270,54 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
             self.verified = [v + k for v, k in zip(self.verified, fresh)]
             self.verified_t = self.verified_t + fresh_t
             self.cache.set_row_lengths(self.verified, self.verified_t)  # (a row's padding pairs: stale)
+        if isinstance(self.cache, StaticCache):  # model.compile: the whole tree's growth one compiled region
+            prefixes = self.verified_t if self.ragged else torch.full((a,), self.verified[0], device=dev)
+            return self.region.grow(self.cache, self.policy, self.lm_head.weight.shape[0], self._grow_laid_out,
+                                    root_f, prefixes)
+        if not self.ragged:
+            root_logits = self._logits(root_f[0])[None]  # (a vector through the LM head, as ever at batch 1)
+            v = self.verified[0]
+
+            def at(seen, depth, dtype):
+                return (torch.full((1, seen.shape[1]), v + depth - 1, device=dev),
+                        tree_attention_mask(seen[0], v, dtype))
+        else:
             root_logits = self._logits(root_f)
-        book = GrowingTree(self.policy.max_nodes, dev, trees=a)
-        feats = root_f.new_empty(a, self.policy.max_nodes + 1, root_f.shape[-1])  # [A, 1 + nodes, H] row v+1: node v's
-        feats[:, 0] = root_f  # row 0: the root's
 
-        def expand(level: Level) -> torch.Tensor:
-            # a node's input pair: (its parent's predicted feature, its token)
-            h = feats.shape[-1]
-            f_in = feats.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, h))  # [A, m, H]
-            seen = book.add(level.nodes, level.parents)  # [A, m, S]
-            m = level.nodes.shape[1]
-            if not self.ragged:
-                v = self.verified[0]
-                pos = torch.full((1, m), v + level.depth - 1, device=dev)
-                mask = tree_attention_mask(seen[0], v, f_in.dtype)
-            else:
-                pos = (self.verified_t + level.depth - 1)[:, None].expand(a, m)
-                mask = batch_tree_mask(seen, self.verified_t, max(self.verified) + seen.shape[-1], f_in.dtype)
-            f = self.head(self.embed(level.tokens), f_in, self.cache, position_ids=pos, attention_mask=mask)
-            feats.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, h), f)
-            if not self.ragged:
-                return self._logits(f[0])[None]
-            return self._logits(f)
-
-        grown = self.policy.grow_rows(root_logits, expand)
+            def at(seen, depth, dtype):
+                return ((self.verified_t + depth - 1)[:, None].expand(a, seen.shape[1]),
+                        batch_tree_mask(seen, self.verified_t, max(self.verified) + seen.shape[-1], dtype))
+        grown = self._grow(root_f, root_logits, at)
         if self.ragged:  # drop the drafted entries
             self.cache.set_row_lengths(self.verified, self.verified_t)
         else:
             self.cache.crop(self.verified[0] - self.cache.get_seq_length())
         return grown.draft()
+
+    def _grow(self, root_f: torch.Tensor, root_logits: torch.Tensor, at, laid_out: bool = False) -> Grown:
+        """The tree policy grown from the root's feature [A, H] and logits [A, V]; each level one head forward over
+        its [A, m] nodes in the head's cache, at the positions and mask `at(seen [A, m, S], depth, dtype)` gives
+        (laid_out: inside CompiledTree's region, which sets the cache's write offsets there). Tensor ops only."""
+        a, h = root_f.shape
+        book = GrowingTree(self.policy.max_nodes, root_f.device, trees=a)
+        feats = root_f.new_empty(a, self.policy.max_nodes + 1, h)  # [A, 1 + nodes, H] row v+1: node v's
+        feats[:, 0] = root_f  # row 0: the root's
+
+        def expand(level: Level) -> torch.Tensor:
+            # a node's input pair: (its parent's predicted feature, its token)
+            f_in = feats.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, h))  # [A, m, H]
+            seen = book.add(level.nodes, level.parents)  # [A, m, S]
+            pos, mask = at(seen, level.depth, f_in.dtype)
+            f = self.head(self.embed(level.tokens), f_in, self.cache, position_ids=pos, attention_mask=mask,
+                          laid_out=laid_out)  # [A, m, H]
+            feats.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, h), f)
+            return self._logits(f[0])[None] if not (laid_out or self.ragged) else self._logits(f)  # (batch 1: a vector)
+
+        return self.policy.grow_rows(root_logits, expand)
+
+    def _grow_laid_out(self, root_f: torch.Tensor, at) -> Grown:
+        """CompiledTree's grow: the root's logits and the tree, inside its region."""
+        return self._grow(root_f, self._logits(root_f), at, laid_out=True)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})

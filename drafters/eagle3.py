@@ -35,6 +35,9 @@ Deviations from the authors' code (stated):
   uses 10000, which a published head's config gets when it carries none.
 The budget's optimiser is every method's (conf/train); the authors' (lr 5e-5, warm-up 12k steps, 40 epochs, fp16) is
 for their data.
+
+With model.compile the head's K, V live on a static cache of the batch's bucket; its step over newly verified pairs and
+the whole tree's growth each run as a compiled region (drafters/trees.py CompiledTree; issue 48).
 """
 from __future__ import annotations
 
@@ -49,9 +52,11 @@ from safetensors.torch import save_file
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from drafters.trees import GrowingTree, Level, make_tree
+from drafters.trees import CompiledTree, GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
+from specbench.decode.compiled import BUCKETS, STATIC_BLOCK, compile_region
 from specbench.decode.drafter import LAYERS, RowsDrafter, TrainableDrafter
+from specbench.decode.kvcache import StaticCache
 from specbench.errors import SpecbenchError
 from specbench.decode.tree import batch_tree_mask, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -112,6 +117,7 @@ class Eagle3Head(nn.Module):
     def __init__(self, target, cfg, layers: tuple[int, ...], draft_vocab: int, fc_in: int):
         super().__init__()
         self.layers = tuple(layers)
+        self.config = cfg  # the one layer's (model.compile sizes its static K, V by it)
         h = cfg.hidden_size
         self.fc = nn.Linear(fc_in, h, bias=False)
         self.midlayer = Eagle3Layer(target, cfg)
@@ -372,6 +378,9 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         self.pending: tuple | None = None  # (fused features [B,n,3H], next tokens [B,n], fresh, fresh_t)
         self.verified: list[int] = [0]  # pairs of verified tokens in `past`, per batch row
         self.ragged = False  # a batch's ragged rows (prefill_rows with several)
+        self.static: StaticCache | None = None  # model.compile: the static cache whose one layer is `past`
+        self.region = CompiledTree()  # and the tree's growth, compiled
+        self._pairs = None  # and the step over newly verified pairs, compiled (_propose_static)
 
     def save_for_serving(self, out: Path, fmt: str, verifier: str) -> Path:
         """This head for SGLang or vLLM (save_for_serving); a chain of the tree's depth for vLLM's proposer."""
@@ -471,6 +480,13 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         self.ragged = state.lengths is not None
         # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer)
         self.past = self.target.drafter_kv(state.cache_positions, ragged=self.ragged)
+        # model.compile: a static cache of the batch's bucket instead (its one layer is `past`), the tree's growth one
+        # compiled region over it (CompiledTree); every forward spans the bucket's rows, ragged
+        self.static = None
+        if self.target.compiled is not None:
+            self.static = self.target.drafter_cache(self.head.config, state.cache_positions, self.head.midlayer,
+                                                    ragged=True, rows=state.rows)
+            self.past = self.static.layers[0]
         self.verified = [0] * state.rows
         self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
         # pairs (features_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]
@@ -486,6 +502,8 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
+        if self.static is not None:
+            return self._propose_static()
         feats, toks, fresh, fresh_t = self.pending
         a, n = toks.shape
         dev = self.device
@@ -528,6 +546,63 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         else:
             self.past.crop(self.verified[0] - self.past.get_seq_length())
         return grown.draft()
+
+    def _propose_static(self) -> DraftTree:
+        """model.compile: the step over the new verified pairs on the static cache's whole bucket of rows (compiled
+        once the cache holds the prompt: their count padded to a bucket, the padding pairs written past each row's
+        own, stale), then the tree as one compiled region (CompiledTree). Rows ragged at any batch."""
+        feats, toks, fresh, fresh_t = self.pending
+        static, (a, n) = self.static, toks.shape
+        if not self.ragged:  # one row: every pair is fresh
+            fresh, fresh_t = [n], torch.full((1,), n, device=self.device)
+        self.past.set_row_lengths(self.verified, self.verified_t)
+        prefill = static.get_seq_length() == 0
+        q = n if prefill else next((k for k in BUCKETS if k >= n), n)
+        static.begin(q, STATIC_BLOCK)  # each row's pairs behind its own verified ones
+        ids, f = toks.new_zeros(static.batch, q), feats.new_zeros(static.batch, q, feats.shape[-1])  # rows past `a`:
+        ids[:a, :n], f[:a, :n] = toks, feats  # padding
+        prefixes = self.verified_t.new_zeros(static.batch)
+        prefixes[:a] = self.verified_t
+        if prefill:  # the prompt's pairs: any length, eager (as the target's prefill)
+            h = self._pairs_step(ids, f, prefixes)
+        else:
+            if self._pairs is None:
+                self._pairs = compile_region(self._pairs_step, static)
+            h = self._pairs(ids, f, prefixes)
+        root_h = h[:a].gather(1, (fresh_t - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
+        self.verified = [v + k for v, k in zip(self.verified, fresh)]
+        self.verified_t = self.verified_t + fresh_t
+        self.past.set_row_lengths(self.verified, self.verified_t)
+        return self.region.grow(static, self.policy, self.head.vocab_size, self._grow_laid_out, root_h, self.verified_t)
+
+    def _pairs_step(self, ids: torch.Tensor, feats: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
+        """ids [P, Q], fused features [P, Q, 3H] behind each row's `prefixes` [P] verified pairs, causal among
+        themselves, written at the static cache's offsets -> the head's outputs [P, Q, H]."""
+        p, q = ids.shape
+        dtype = self.head.fc.weight.dtype
+        causal = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril().expand(p, q, q)
+        pos = prefixes[:, None] + torch.arange(q, device=ids.device)
+        return self.head.step(self.embed(ids), self.head.fc(feats.to(dtype)), pos, self.past,
+                              batch_tree_mask(causal, prefixes, self.static.window.width, dtype))
+
+    def _grow_laid_out(self, root_h: torch.Tensor, at) -> Grown:
+        """CompiledTree's grow (drafters/trees.py): root_h [P, H] -> the policy's trees, each level one step of the
+        head over the static K, V at the positions and mask `at` gives, inside the region."""
+        a = root_h.shape[0]
+        book = GrowingTree(self.policy.max_nodes, root_h.device, trees=a)
+        hs = root_h.new_empty(a, self.policy.max_nodes + 1, root_h.shape[-1])  # [P, 1 + nodes, H] row v+1: node v's
+        hs[:, 0] = root_h
+
+        def expand(level: Level) -> torch.Tensor:
+            d = hs.shape[-1]
+            h_in = hs.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, d))  # a node's parent's output
+            seen = book.add(level.nodes, level.parents)  # [P, m, S]
+            pos, mask = at(seen, level.depth, self.head.fc.weight.dtype)
+            out = self.head.step(self.embed(level.tokens), h_in, pos, self.past, mask)
+            hs.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, d), out)
+            return self.head.target_logits(out)
+
+        return self.policy.grow_rows(self.head.target_logits(root_h), expand)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         n = state.layers.shape[1]  # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)

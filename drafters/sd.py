@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from specbench.decode.drafter import OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import kl, teacher_probs, top1
-from drafters.trees import GrowingTree, Level, make_tree
+from drafters.trees import CompiledTree, GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import resolve
 from specbench.decode.compiled import decode
 from specbench.errors import SpecbenchError
@@ -132,6 +132,7 @@ class IndependentDrafter(TrainableDrafter):
         self.gamma = gamma
         self.vocab = target.vocab_size  # drafts are made on the target's rows
         self.policy = make_tree(**tree) if tree else None  # None: the chain of gamma tokens (Algorithm 1)
+        self.region = CompiledTree()  # model.compile: a tree's growth, compiled
         model_path = model_path or published_draft(checkpoint)
         if model_path:  # an HF draft model: the checkpoint (our trained small Llama) does not apply
             try:
@@ -239,6 +240,9 @@ class IndependentDrafter(TrainableDrafter):
         """Tree drafting (MoA's "Independent" row uses EAGLE-2's tree, papers/002 Sec. 4): the policy grows the tree
         in the draft model's own cache, each expanded node attending to the verified tokens, its ancestors and itself;
         the drafted entries are cropped off before verification. Drafts are top-k choices (q = 1): lossless at any T."""
+        if isinstance(self.cache, StaticCache):  # model.compile: the whole tree one compiled region
+            return self.region.grow(self.cache, self.policy, root_logits.shape[-1], self._grow_laid_out,
+                                    root_logits[None], torch.full((1,), verified, device=root_logits.device))
         book = GrowingTree(self.policy.max_nodes, root_logits.device)
         dtype = self.model.get_output_embeddings().weight.dtype
 
@@ -325,6 +329,9 @@ class IndependentDrafter(TrainableDrafter):
 
     def _grow_rows(self, root_logits: torch.Tensor) -> DraftTree:
         """_grow for every row at once: the root of row b at position cached[b] - 1."""
+        if isinstance(self.cache, StaticCache):  # model.compile: the whole tree one compiled region
+            return self.region.grow(self.cache, self.policy, root_logits.shape[-1], self._grow_laid_out, root_logits,
+                                    self.cached_t)
         a = root_logits.shape[0]
         book = GrowingTree(self.policy.max_nodes, root_logits.device, trees=a)
         rows, rows_t = list(self.cached_rows), self.cached_t
@@ -337,6 +344,21 @@ class IndependentDrafter(TrainableDrafter):
         grown = self.policy.grow_rows(root_logits, expand)
         self.cache.set_row_lengths(rows, rows_t)  # drop the drafted entries
         return grown.draft()
+
+    def _grow_laid_out(self, root_logits: torch.Tensor, at) -> Grown:
+        """CompiledTree's grow (drafters/trees.py): root_logits [P, V] -> the policy's trees, each level one forward of
+        the compiled draft model laid out on its static cache, inside the region."""
+        book = GrowingTree(self.policy.max_nodes, root_logits.device, trees=root_logits.shape[0])
+        head = self.model.get_output_embeddings()
+
+        def expand(level: Level) -> torch.Tensor:
+            seen = book.add(level.nodes, level.parents)  # [P, m, S]
+            pos, mask = at(seen, level.depth, head.weight.dtype)
+            hidden = decode(self.model.get_decoder(), self.cache, laid_out=True, input_ids=level.tokens,
+                            position_ids=pos, attention_mask=mask)
+            return fit_vocab(head(hidden), self.vocab)  # [P, m, V] on the target's rows
+
+        return self.policy.grow_rows(root_logits, expand)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         if not self.ragged:

@@ -23,8 +23,10 @@ from typing import Callable
 
 import torch
 
+from specbench.decode.compiled import STATIC_BLOCK, compile_region
+from specbench.decode.kvcache import StaticCache
 from specbench.errors import SpecbenchError
-from specbench.decode.tree import is_chain
+from specbench.decode.tree import batch_tree_mask, is_chain
 from specbench.decode.types import DraftTree
 
 
@@ -156,6 +158,13 @@ class StaticTree:
         self.max_nodes = len(self.paths)
         self.is_chain = is_chain(self.parents)
         self._index: dict[torch.device, tuple] = {}  # the fixed index tensors, per device
+        # nodes fed to `expand` over a whole tree (each level's parents): the entries a drafter's cache takes
+        self.fed = len({self.parents[i] for i, p in enumerate(self.paths) if len(p) > 1})
+
+    def expanded(self, vocab: int) -> int:
+        """Nodes fed to `expand` while one tree grows (the drafted entries it appends to a drafter's cache)."""
+        del vocab  # the paths fix them
+        return self.fed
 
     def _indices(self, device: torch.device) -> tuple:
         """(parents [N], depth-1 nodes, their ranks, [(depth, fed nodes, depth-d nodes, their row in fed, rank)],
@@ -216,6 +225,10 @@ class DynamicTree:
                                  "(at least one drafted node)")
         self.max_nodes = topk + (depth - 1) * topk * topk
 
+    def expanded(self, vocab: int) -> int:
+        """Nodes fed to `expand` while one tree grows: the frontier, min(topk, vocab) at each of depth - 1 levels."""
+        return min(self.topk, vocab) * (self.depth - 1)
+
     def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
         """One tree: root_logits [V], expand on [n] levels (grow_rows at one row)."""
         return self.grow_rows(root_logits[None], one_row(expand)).row(0)
@@ -249,6 +262,53 @@ class DynamicTree:
         par = parents.gather(1, keep)
         return Grown(tokens.gather(1, keep), torch.where(par >= 0, new_id.gather(1, par.clamp(min=0)), -1),
                      is_chain=k == 1, priority=scores.gather(1, keep))  # the best n of these: the tree of n nodes
+
+
+# a region's tree: (root [P, ...], at) -> Grown, where at(seen [P, m, S], depth, dtype) -> (positions [P, m], mask
+# [P, 1, m, width]) for a level's forward on the static cache, its write offsets set
+RegionGrow = Callable[[torch.Tensor, Callable], Grown]
+
+
+class CompiledTree:
+    """model.compile (issue 48, item 4): a drafter's whole tree (every level's forward on its static cache and the
+    policy's top-k, scores and gathers) as one compiled region, so the levels replay without Python in between. The
+    region spans the cache's batch bucket (padding rows grow a tree of their own, never read); each level writes its
+    nodes' entries behind the row's verified ones (`cache.at`, set in the graph) and the decoder runs laid out
+    (specbench/decode/compiled.py, `decode(..., laid_out=True)`); the host lengths never advance, so the drafted
+    entries are dropped when it returns. One graph per (batch bucket, context block, policy). Held by the drafter."""
+
+    def __init__(self):
+        self._region = None
+
+    def grow(self, cache: StaticCache, policy, vocab: int, grow: RegionGrow, root: torch.Tensor,
+             prefixes: torch.Tensor) -> DraftTree:
+        """root [A, ...] (what `grow` starts from: the root's feature or logits), prefixes [A] (each row's verified
+        entries in the cache) -> the step's DraftTree [A, N]."""
+        a = root.shape[0]
+        cache.begin(policy.expanded(vocab), STATIC_BLOCK)  # the width every level's mask spans
+        if self._region is None:
+            self._region = compile_region(self._grow, cache)
+        # fresh [bucket, ...] inputs (a graph guards on strides, and root may be a slice); the rows past `a` padding
+        x, lengths = root.new_zeros(cache.batch, *root.shape[1:]), prefixes.new_zeros(cache.batch)
+        x[:a], lengths[:a] = root, prefixes
+        tokens, parents, priority, chain = self._region(grow, cache, x, lengths)
+        # copies: a CUDA graph's outputs are its own buffers, rewritten by its next replay
+        return DraftTree(tokens=tokens[:a].clone(), parents=parents[:a].clone(), is_chain=chain,
+                         priority=None if priority is None else priority[:a].clone())
+
+    @staticmethod
+    def _grow(grow: RegionGrow, cache: StaticCache, root: torch.Tensor, prefixes: torch.Tensor):
+        """What is compiled: root [P, ...], prefixes [P] -> tokens, parents, priority [P, N], is_chain."""
+        p = root.shape[0]
+
+        def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):
+            m, s = seen.shape[1], seen.shape[2]
+            cache.at.copy_(prefixes + (s - m))  # this level's rows behind the levels before
+            return ((prefixes + depth - 1)[:, None].expand(p, m),
+                    batch_tree_mask(seen, prefixes, cache.window.width, dtype))
+
+        grown = grow(root, at)
+        return grown.tokens, grown.parents, grown.priority, grown.is_chain
 
 
 def make_tree(kind: str, **options):

@@ -159,3 +159,59 @@ def test_a_drafters_static_cache_holds_what_the_targets_holds(compiled):
     compiled.new_cache(len(PROMPTS[0]) + 1500)
     engine.drafter.prefill(TargetState(tokens=torch.tensor([PROMPTS[0]]), hidden=None, kv=None))
     assert engine.drafter.cache.capacity >= compiled.compiled.capacity > small
+
+
+@pytest.mark.parametrize("name,batch", [("eagle2", 1), ("eagle2", 3), ("sd_tree", 3), ("eagle3", 3)])
+def test_a_draft_tree_grows_in_one_compiled_region(compiled, name, batch, monkeypatch):
+    """Issue 48, item 4: with model.compile, EAGLE-2's propose is two graph replays (the head's forward over the
+    verified pairs, then the whole tree: every level's forward, LM head, top-k, scores and gathers) with a few dozen
+    eager operators around them (padding, the write offsets: 50 at batch 1 and 77 at batch 3 when written), where
+    growing the levels eagerly between compiled decoder calls ran ~475 at batch 1 and ~600 at batch 3 (counted at
+    aa18331 with this test's profiler). sd_tree the same (its draft model's catch-up, then the tree: 98 at batch 3,
+    553 before); eagle3 too (its step over the verified pairs on a static K, V, then the tree: 43 at batch 3, 934
+    before, when nothing of it was compiled)."""
+    import specbench.decode.compiled as compiled_module
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def marked(gm, inputs):  # aot_eager, each replay inside a profiler range of its own
+        run = aot_eager(gm, inputs)
+
+        def replay(*args):
+            with torch.profiler.record_function("specbench::graph"):
+                return run(*args)
+        return replay
+
+    build = compiled_module.torch_compile
+    monkeypatch.setattr(compiled_module, "torch_compile", lambda fn, device, backend: build(fn, device, marked))
+    drafter = make_drafter(name, compiled)
+    engine = Engine(compiled, drafter, SamplingParams())
+    prompts, budgets = PROMPTS[:batch], [24, 16, 28][:batch]
+    engine.generate_batch(prompts, budgets)  # warm: every graph built
+    counts = []
+    propose = drafter.propose_rows
+
+    def profiled(state):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            tree = propose(state)
+        top = [e for e in prof.events() if e.name.startswith("aten::") and not _under(e, "aten::")]
+        counts.append((sum(e.name == "specbench::graph" for e in prof.events()),
+                       sum(not _under(e, "specbench::graph") for e in top)))
+        return tree
+
+    monkeypatch.setattr(drafter, "propose_rows", profiled)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = engine.generate_batch(prompts, budgets)
+    assert [g.new_tokens for g in out.rows] == [hf_greedy(compiled.model, p, n) for p, n in zip(prompts, budgets)]
+    # (the first propose's forward over the prompt is a prefill, eager as the target's: one graph)
+    assert counts[0][0] == 1 and len(counts) > 5 and all(graphs == 2 for graphs, _ in counts[1:])
+    assert max(eager for _, eager in counts[1:]) <= 150
+
+
+def _under(event, prefix: str) -> bool:
+    """Whether a profiler event runs inside one whose name starts with prefix."""
+    p = event.cpu_parent
+    while p is not None:
+        if p.name.startswith(prefix):
+            return True
+        p = p.cpu_parent
+    return False

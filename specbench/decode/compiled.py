@@ -39,8 +39,8 @@ STATIC_BLOCK = 256  # static caches, and the context attention reads, in blocks 
 
 
 def torch_compile(fn, device: torch.device, backend: bool | str):
-    """torch.compile with static shapes: backend True = inductor (with CUDA graphs on CUDA), a string another
-    torch.compile backend (tests: aot_eager, the same capture and guards without a C++ build)."""
+    """torch.compile with static shapes: backend True = inductor (with CUDA graphs on CUDA), a string or a callable
+    another torch.compile backend (tests: aot_eager, the same capture and guards without a C++ build)."""
     import torch._dynamo
 
     # one graph per (tree bucket, context block) and per kind of compiled decoder (the target's, a drafter's), all of
@@ -48,7 +48,7 @@ def torch_compile(fn, device: torch.device, backend: bool | str):
     # would fall back to eager, silently)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
-    name = backend if isinstance(backend, str) else "inductor"
+    name = "inductor" if backend is True else backend
     cuda_graphs = name == "inductor" and device.type == "cuda"
     return torch.compile(fn, dynamic=False, backend=name, mode="reduce-overhead" if cuda_graphs else None)
 
@@ -69,7 +69,7 @@ class CompiledDecoder:
 
     def __init__(self, decoder: nn.Module, config, device: torch.device, backend: bool | str):
         self._decoder = weakref.ref(decoder)  # (weak: CompiledDecoders keys on the decoder, and a value must not keep it)
-        self.config, self.device = config, device
+        self.config, self.device, self.backend = config, device, backend
         self.step = torch_compile(self._step, device, backend)
         self._caches: dict[bool, StaticCache] = {}  # batch 1 or not -> its cache
         self._last: StaticCache | None = None  # the one handed out last
@@ -110,6 +110,16 @@ class CompiledDecoder:
                            attention_mask=mask, use_cache=True, output_hidden_states=bool(layers))
         picked = torch.cat([out.hidden_states[i] for i in layers], -1) if layers else None
         return out.last_hidden_state, picked
+
+    def laid_out(self, cache: StaticCache, position_ids: torch.Tensor,  # [bucket, Q]
+                 attention_mask: torch.Tensor,  # [bucket, 1, Q, width] additive
+                 input_ids: torch.Tensor | None = None,  # [bucket, Q]
+                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:  # [bucket, Q, H]
+        """The decoder's forward inside a caller's compiled region (compile_region): the inputs already span the cache's
+        whole batch bucket, the mask the width `cache.begin` set, each row writes at `cache.at` as the region set it,
+        and the host lengths are not advanced (the region's entries are drafted ones, dropped after it). -> [bucket,
+        Q, H]"""
+        return self._step(input_ids, inputs_embeds, position_ids, attention_mask, cache, ())[0]
 
     def forward(self, cache: StaticCache, input_ids: torch.Tensor | None = None,  # [A, Q]
                 inputs_embeds: torch.Tensor | None = None,  # [A, Q, H]
@@ -171,11 +181,20 @@ class CompiledDecoders:
         return runner.new_cache(capacity, batch)
 
 
-def decode(decoder: nn.Module, cache, **inputs) -> torch.Tensor:
+def compile_region(fn, cache: StaticCache):
+    """fn compiled as the static cache's decoder is (its device and backend): a drafter's region that runs that decoder
+    (`decode(..., laid_out=True)`) among its own tensor ops, e.g. a whole draft tree's levels and their growth."""
+    return torch_compile(fn, cache.runner.device, cache.runner.backend)
+
+
+def decode(decoder: nn.Module, cache, laid_out: bool = False, **inputs) -> torch.Tensor:
     """A drafter's decoder forward -> last hidden state [B, Q, H]: on a static cache, through the compiled decoder
-    that built it; on any other cache (or none), the decoder's own forward, as always."""
+    that built it (`laid_out`: inside the drafter's own compiled region, CompiledDecoder.laid_out); on any other cache
+    (or none), the decoder's own forward, as always."""
     if isinstance(cache, StaticCache):
         if cache.runner is None or cache.runner.decoder is not decoder:
             raise SpecbenchError("model.compile: this static cache belongs to another decoder")
+        if laid_out:
+            return cache.runner.laid_out(cache, **inputs)
         return cache.runner.forward(cache, **inputs)[0]
     return decoder(past_key_values=cache, use_cache=cache is not None, **inputs).last_hidden_state

@@ -275,6 +275,8 @@ class StaticCache(PreallocatedCache):
         PreallocatedCache(config, 1)  # the same refusal of sliding-window layers
         text = config.get_text_config(decoder=True)
         self.at = torch.zeros(batch, dtype=torch.long, device=device)  # [batch] where each row writes
+        # (a drafter's compiled region sets it in its graph, compile_region: a CUDA graph may write it in place)
+        torch._dynamo.mark_static_address(self.at)
         self.capacity, self.batch = capacity, batch
         self.window = StaticWindow(width=capacity, live=batch)
         self.runner = runner  # the CompiledDecoder whose graphs are built on these buffers
