@@ -156,6 +156,9 @@ class CoralRouterDrafter(CoralDrafter):
     name = "coral_router"
     Options = CoralRouterOptions
     prunable = False  # the router already restricts the LM head to its active groups (module.draft_vocab refused)
+    # its LM head reads each row's chosen groups on the host (LMHeadRouter.log_probs): a graph would break there and
+    # specialise on the groups, so with model.compile its levels stay eager between the compiled head forwards
+    traceable = False
 
     @staticmethod
     def head_options(opts: CoralRouterOptions) -> CoralOptions:

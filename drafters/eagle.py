@@ -149,6 +149,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     Options = EagleOptions
     w_cls = 0.1  # Sec. 4.2: L = L_reg + w_cls L_cls
     prunable = True  # its drafting applies the target's whole LM head: module.draft_vocab may prune it
+    traceable = True  # draft_logits has no host read: with model.compile the tree grows in one compiled region
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
         self.head = self.load_module(target, checkpoint, module)
@@ -270,7 +271,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
             self.verified = [v + k for v, k in zip(self.verified, fresh)]
             self.verified_t = self.verified_t + fresh_t
             self.cache.set_row_lengths(self.verified, self.verified_t)  # (a row's padding pairs: stale)
-        if isinstance(self.cache, StaticCache):  # model.compile: the whole tree's growth one compiled region
+        if isinstance(self.cache, StaticCache) and self.traceable:  # model.compile: the tree one compiled region
             prefixes = self.verified_t if self.ragged else torch.full((a,), self.verified[0], device=dev)
             return self.region.grow(self.cache, self.policy, self.lm_head.weight.shape[0], self._grow_laid_out,
                                     root_f, prefixes)

@@ -166,6 +166,11 @@ class StaticTree:
         del vocab  # the paths fix them
         return self.fed
 
+    def prepare(self, device: torch.device) -> None:
+        """The fixed index tensors for `device`, made now (CompiledTree: before its region, whose outputs a CUDA
+        graph's next replay would overwrite)."""
+        self._indices(device)
+
     def _indices(self, device: torch.device) -> tuple:
         """(parents [N], depth-1 nodes, their ranks, [(depth, fed nodes, depth-d nodes, their row in fed, rank)],
         priority [N])."""
@@ -224,6 +229,9 @@ class DynamicTree:
             raise SpecbenchError(f"dynamic tree needs depth, topk >= 1 and total_tokens >= {2 if root_counted else 1} "
                                  "(at least one drafted node)")
         self.max_nodes = topk + (depth - 1) * topk * topk
+
+    def prepare(self, device: torch.device) -> None:
+        """Nothing to make ahead (StaticTree's indices)."""
 
     def expanded(self, vocab: int) -> int:
         """Nodes fed to `expand` while one tree grows: the frontier, min(topk, vocab) at each of depth - 1 levels."""
@@ -285,6 +293,7 @@ class CompiledTree:
         """root [A, ...] (what `grow` starts from: the root's feature or logits), prefixes [A] (each row's verified
         entries in the cache) -> the step's DraftTree [A, N]."""
         a = root.shape[0]
+        policy.prepare(root.device)  # (a policy's constant tensors made outside the graph, not as its outputs)
         cache.begin(policy.expanded(vocab), STATIC_BLOCK)  # the width every level's mask spans
         if self._region is None:
             self._region = compile_region(self._grow, cache)

@@ -45,6 +45,9 @@ class PrunedLMHead:
         self.weight = lm_head.weight.detach()[self.ids].contiguous()  # [N, H]
         self.bias = None if lm_head.bias is None else lm_head.bias.detach()[self.ids].contiguous()  # [N]
         self.vocab = lm_head.weight.shape[0]
+        for t in (self.ids, self.weight, self.bias):  # constants a compiled draft tree reads (no copy per CUDA graph
+            if t is not None:  # replay)
+                torch._dynamo.mark_static_address(t)
 
     def __call__(self, f: torch.Tensor) -> torch.Tensor:
         """Features [.., H] -> logits [.., V]: the draft vocabulary's scores, -inf elsewhere."""
