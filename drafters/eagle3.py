@@ -524,23 +524,12 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
             self.verified_t = self.verified_t + fresh_t
             self.past.set_row_lengths(self.verified, self.verified_t)  # (a row's padding pairs: stale)
             root_logits = self.head.target_logits(root_h)
-        book = GrowingTree(self.policy.max_nodes, dev, trees=a)
-        hs = root_h.new_empty(a, self.policy.max_nodes + 1, root_h.shape[-1])  # [A, 1 + nodes, H] row v+1: node v's
-        hs[:, 0] = root_h
+        pos0 = self.verified_t  # (the root's position + 1, per row)
 
-        def expand(level: Level) -> torch.Tensor:
-            d = hs.shape[-1]
-            h_in = hs.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, d))  # a node's parent's output
-            seen = book.add(level.nodes, level.parents)
-            pos = (self.verified_t + level.depth - 1)[:, None].expand(a, level.nodes.shape[1])
-            # the level's K, V appended behind the verified pairs and the earlier levels
-            out = self.head.step(self.embed(level.tokens), h_in, pos, self.past, self._mask(seen))
-            hs.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, d), out)
-            if not self.ragged:
-                return self.head.target_logits(out[0])[None]
-            return self.head.target_logits(out)
+        def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):
+            return (pos0 + depth - 1)[:, None].expand(a, seen.shape[1]), self._mask(seen)
 
-        grown = self.policy.grow_rows(root_logits, expand)
+        grown = self._grow(root_h, root_logits, at, vector=not self.ragged)
         if self.ragged:  # drop drafted entries
             self.past.set_row_lengths(self.verified, self.verified_t)
         else:
@@ -585,24 +574,30 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         return self.head.step(self.embed(ids), self.head.fc(feats.to(dtype)), pos, self.past,
                               batch_tree_mask(causal, prefixes, self.static.window.width, dtype))
 
-    def _grow_laid_out(self, root_h: torch.Tensor, at) -> Grown:
-        """CompiledTree's grow (drafters/trees.py): root_h [P, H] -> the policy's trees, each level one step of the
-        head over the static K, V at the positions and mask `at` gives, inside the region."""
+    def _grow(self, root_h: torch.Tensor, root_logits: torch.Tensor, at, vector: bool = False) -> Grown:
+        """The tree policy grown from the root's output [A, H] and logits [A, V]; each level one step of the head over
+        `past`, at the positions and mask `at(seen [A, m, S], depth, dtype)` gives (inside CompiledTree's region, which
+        also sets the static cache's write offsets). vector: batch 1's logits through the head as a vector."""
         a = root_h.shape[0]
         book = GrowingTree(self.policy.max_nodes, root_h.device, trees=a)
-        hs = root_h.new_empty(a, self.policy.max_nodes + 1, root_h.shape[-1])  # [P, 1 + nodes, H] row v+1: node v's
+        hs = root_h.new_empty(a, self.policy.max_nodes + 1, root_h.shape[-1])  # [A, 1 + nodes, H] row v+1: node v's
         hs[:, 0] = root_h
 
         def expand(level: Level) -> torch.Tensor:
             d = hs.shape[-1]
             h_in = hs.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, d))  # a node's parent's output
-            seen = book.add(level.nodes, level.parents)  # [P, m, S]
+            seen = book.add(level.nodes, level.parents)  # [A, m, S]
             pos, mask = at(seen, level.depth, self.head.fc.weight.dtype)
+            # the level's K, V appended behind the verified pairs and the earlier levels
             out = self.head.step(self.embed(level.tokens), h_in, pos, self.past, mask)
             hs.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, d), out)
-            return self.head.target_logits(out)
+            return self.head.target_logits(out[0])[None] if vector else self.head.target_logits(out)
 
-        return self.policy.grow_rows(self.head.target_logits(root_h), expand)
+        return self.policy.grow_rows(root_logits, expand)
+
+    def _grow_laid_out(self, root_h: torch.Tensor, at) -> Grown:
+        """CompiledTree's grow (drafters/trees.py): root_h [P, H] -> the policy's trees, inside its region."""
+        return self._grow(root_h, self.head.target_logits(root_h), at)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         n = state.layers.shape[1]  # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)
