@@ -204,10 +204,11 @@ class IndependentDrafter(TrainableDrafter):
         self.cache = self._new_cache(state, ragged=False)
         self.cached = 0
 
-    def _logits(self, ids: torch.Tensor, last: bool, **kw) -> torch.Tensor:
-        """The draft model on ids [1, Q] over its cache -> logits [1, Q, V'] (last: [1, 1, V'], the last row's)."""
+    def _logits(self, ids: torch.Tensor, last: bool, laid_out: bool = False, **kw) -> torch.Tensor:
+        """The draft model on ids [1, Q] over its cache -> logits [1, Q, V'] (last: [1, 1, V'], the last row's).
+        laid_out: inside CompiledTree's region (specbench/decode/compiled.py decode)."""
         if isinstance(self.cache, StaticCache):  # model.compile: the compiled decoder (specbench/decode/compiled.py)
-            hidden = decode(self.model.get_decoder(), self.cache, input_ids=ids, **kw)
+            hidden = decode(self.model.get_decoder(), self.cache, laid_out, input_ids=ids, **kw)
             return self.model.get_output_embeddings()(hidden[:, -1:] if last else hidden)
         return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=int(last),
                           **kw).logits
@@ -332,33 +333,33 @@ class IndependentDrafter(TrainableDrafter):
         if isinstance(self.cache, StaticCache):  # model.compile: the whole tree one compiled region
             return self.region.grow(self.cache, self.policy, root_logits.shape[-1], self._grow_laid_out, root_logits,
                                     self.cached_t)
-        a = root_logits.shape[0]
-        book = GrowingTree(self.policy.max_nodes, root_logits.device, trees=a)
         rows, rows_t = list(self.cached_rows), self.cached_t
 
-        @torch.inference_mode()
-        def expand(level: Level) -> torch.Tensor:
-            seen = book.add(level.nodes, level.parents)  # [A, m, S]
-            return self._forward_rows(level.tokens, seen, level.depth - 1)
+        def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):
+            pos = (rows_t[:, None] + depth - 1).expand(seen.shape[0], seen.shape[1])
+            return pos, batch_tree_mask(seen, rows_t, max(rows) + seen.shape[-1], dtype)
 
-        grown = self.policy.grow_rows(root_logits, expand)
+        grown = self._grow_tree(root_logits, at)
         self.cache.set_row_lengths(rows, rows_t)  # drop the drafted entries
         return grown.draft()
 
-    def _grow_laid_out(self, root_logits: torch.Tensor, at) -> Grown:
-        """CompiledTree's grow (drafters/trees.py): root_logits [P, V] -> the policy's trees, each level one forward of
-        the compiled draft model laid out on its static cache, inside the region."""
+    def _grow_tree(self, root_logits: torch.Tensor, at, laid_out: bool = False) -> Grown:
+        """root_logits [A, V] -> the policy's trees, each level one forward of the draft model at the positions and
+        mask `at(seen [A, m, S], depth, dtype)` gives (laid_out: inside CompiledTree's region, which also sets the
+        static cache's write offsets)."""
         book = GrowingTree(self.policy.max_nodes, root_logits.device, trees=root_logits.shape[0])
-        head = self.model.get_output_embeddings()
 
         def expand(level: Level) -> torch.Tensor:
-            seen = book.add(level.nodes, level.parents)  # [P, m, S]
-            pos, mask = at(seen, level.depth, head.weight.dtype)
-            hidden = decode(self.model.get_decoder(), self.cache, laid_out=True, input_ids=level.tokens,
-                            position_ids=pos, attention_mask=mask)
-            return fit_vocab(head(hidden), self.vocab)  # [P, m, V] on the target's rows
+            seen = book.add(level.nodes, level.parents)  # [A, m, S]
+            pos, mask = at(seen, level.depth, self.model.get_output_embeddings().weight.dtype)
+            logits = self._logits(level.tokens, last=False, laid_out=laid_out, position_ids=pos, attention_mask=mask)
+            return fit_vocab(logits, self.vocab)  # [A, m, V] on the target's rows
 
         return self.policy.grow_rows(root_logits, expand)
+
+    def _grow_laid_out(self, root_logits: torch.Tensor, at) -> Grown:
+        """CompiledTree's grow (drafters/trees.py), inside its region."""
+        return self._grow_tree(root_logits, at, laid_out=True)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         if not self.ragged:
