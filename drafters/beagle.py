@@ -42,8 +42,10 @@ import torch.nn.functional as F
 
 from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
-from drafters.layers import CrossAttentionBlock
-from drafters.trees import GrowingTree, Level, make_tree
+from drafters.layers import CrossAttentionBlock, one_layer_config
+from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
+from specbench.decode.compiled import BUCKETS, STATIC_BLOCK, compile_region
+from specbench.decode.kvcache import StaticCache
 from specbench.decode.tree import batch_tree_mask, in_block, up_to_start, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
@@ -102,12 +104,16 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.concat = concat
+        self.target = target
         self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
         self.kv = None  # K, V [A, nkv, L, dh]: true states, then (while drafting) predicted ones
         self.verified = [0]  # true states in the cache, per batch row
         self.ragged = False  # a batch's ragged rows: the K/V layer in ragged rows
         # (true states not yet in the cache [A, n, H], each row's count of them: host [A] and device [A])
         self.pending: tuple[torch.Tensor, list[int] | None, torch.Tensor | None] | None = None
+        self.static: StaticCache | None = None  # model.compile: the static cache whose one layer is `kv`
+        self.region = CompiledTree()  # and the tree's growth, compiled
+        self._appends = None  # and the append of new true states, compiled (_propose_static)
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
@@ -186,9 +192,16 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
     # Every row of a batch drafts in the same forwards (the rows protocol): the block's K/V layer holds one row per
     # batch row (ragged: each row's verified states, then its drafted ones, behind its own length), a level of the tree
     # is one forward over [A, n] nodes, and a lone row (batch 1) keeps the target's cache kind and a boolean mask.
+    # model.compile: the K/V layer is a one-layer static cache of the batch's bucket instead; the append of the new
+    # true states and the whole tree each run as a compiled region (drafters/trees.py CompiledTree), rows ragged.
     def prefill_rows(self, state: TargetState) -> None:
         self.ragged = state.lengths is not None
         self.kv = self.new_kv(state.cache_positions, ragged=self.ragged)
+        self.static = None
+        if self.target.compiled is not None:
+            self.static = self.target.drafter_cache(one_layer_config(self.target), state.cache_positions, self.block,
+                                                    ragged=True, rows=state.rows)
+            self.kv = self.static.layers[0]
         self.verified = [0] * state.rows  # true states in the cache, per row
         self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
         # true states of positions 0 .. L-1 (row b's first fresh[b]); the root t_L has none yet
@@ -210,6 +223,9 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
+        root_tok = state.tokens.gather(1, state.num_tokens_rows()[:, None] - 1)  # [A, 1] the last verified token
+        if self.static is not None:
+            return self._propose_static(root_tok)
         states, fresh, fresh_t = self.pending
         a, n = states.shape[:2]
         dev = self.device
@@ -224,13 +240,8 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
             self.verified = [self.verified[0] + n]
             self.verified_t = self.verified_t + n
         root_pos = self.verified_t  # [A] each root token's position
-        root_tok = state.tokens.gather(1, state.num_tokens_rows()[:, None] - 1)  # [A, 1] the last verified token
-        # the predicted states' drafted cache entries ("concate" only): slot 0 is the root's, seen by every node
-        book = GrowingTree(self.policy.max_nodes, dev, root_slot=True, trees=a) if self.concat else None
 
-        def run(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
-            """tokens [A, R] at position root_pos + depth, each row seeing its verified states and its drafted slots
-            seen [A, R, S] -> predicted states [A, R, H] (appended to the cache in "concate" mode)."""
+        def level(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
             p = (root_pos + depth)[:, None].expand(a, tokens.shape[1])
             h = self.block(self.embed(tokens).to(self.block.q_proj.weight.dtype), p, self._allowed(seen),
                            kv=(self.kv.keys, self.kv.values))
@@ -238,24 +249,83 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
                 self._append(h, p)
             return h
 
-        h_root = run(root_tok, torch.zeros(a, 1, 0, dtype=torch.bool, device=dev), 0)  # [A, 1, H]
-
-        def expand(level: Level) -> torch.Tensor:
-            # strictly earlier: a node's drafted ancestors and the root, never itself (none without "concate")
-            seen = (book.ancestors(level.parents) if self.concat
-                    else torch.zeros(*level.nodes.shape, 0, dtype=torch.bool, device=dev))
-            h = run(level.tokens, seen, level.depth)
-            if self.concat:
-                book.add(level.nodes, level.parents)  # their states were appended, in node order
-            return self._logits(h[0])[None] if not self.ragged else self._logits(h)
-
-        root_logits = self._logits(h_root[0, 0])[None] if not self.ragged else self._logits(h_root[:, 0])
-        grown = self.policy.grow_rows(root_logits, expand)
+        grown = self._grow(root_tok, level, vector=not self.ragged)
         if self.ragged:  # drop drafted states
             self.kv.set_row_lengths(self.verified, self.verified_t)
         else:
             self.kv.crop(self.verified[0] - self.kv.get_seq_length())
         return grown.draft()
+
+    def _propose_static(self, root_tok: torch.Tensor) -> DraftTree:
+        """model.compile: the new true states' K, V written on the static cache's whole bucket of rows (compiled once
+        the cache holds the prompt's: their count padded to a bucket, the padding states written past each row's own,
+        stale), then the tree as one compiled region (CompiledTree). Rows ragged at any batch."""
+        states, fresh, fresh_t = self.pending
+        static, (a, n) = self.static, states.shape[:2]
+        if not self.ragged:  # one row: every state is fresh
+            fresh, fresh_t = [n], torch.full((1,), n, dtype=torch.long, device=self.device)
+        self.kv.set_row_lengths(self.verified, self.verified_t)
+        prefill = static.get_seq_length() == 0
+        q = n if prefill else next((k for k in BUCKETS if k >= n), n)
+        static.begin(q, STATIC_BLOCK)  # each row's states behind its own verified ones
+        x = states.new_zeros(static.batch, q, states.shape[-1])  # rows past `a`: padding
+        x[:a, :n] = states
+        prefixes = self.verified_t.new_zeros(static.batch)
+        prefixes[:a] = self.verified_t
+        if prefill:  # the prompt's states: any length, eager (as the target's prefill)
+            self._append_at(x, prefixes)
+        else:
+            if self._appends is None:
+                self._appends = compile_region(self._append_at, static)
+            self._appends(x, prefixes)
+        self.verified = [v + k for v, k in zip(self.verified, fresh)]
+        self.verified_t = self.verified_t + fresh_t
+        self.kv.set_row_lengths(self.verified, self.verified_t)
+        # the drafted entries ("concate"): the root's and one per node fed to `expand`; none without
+        entries = 1 + self.policy.expanded(self.lm_head.weight.shape[0]) if self.concat else 0
+        return self.region.grow(static, self.policy, self.lm_head.weight.shape[0], self._grow_laid_out, root_tok,
+                                self.verified_t, entries)
+
+    def _append_at(self, states: torch.Tensor, prefixes: torch.Tensor) -> None:
+        """states [P, Q, H] behind each row's `prefixes` [P] verified ones, written at the static cache's offsets."""
+        self._append(states, prefixes[:, None] + torch.arange(states.shape[1], device=states.device))
+
+    def _grow(self, root_tok: torch.Tensor, level, vector: bool = False) -> Grown:
+        """The tree policy grown from the root tokens [A, 1]; `level(tokens [A, m], seen [A, m, S], depth)` runs the
+        block on a level's nodes, each seeing its row's verified states and the drafted slots `seen`, at the root's
+        position + depth -> predicted states [A, m, H] (appended to the cache in "concate" mode). vector: batch 1's
+        logits through the LM head as a vector. Tensor ops only."""
+        a, dev = root_tok.shape[0], root_tok.device
+        # the predicted states' drafted cache entries ("concate" only): slot 0 is the root's, seen by every node
+        book = GrowingTree(self.policy.max_nodes, dev, root_slot=True, trees=a) if self.concat else None
+        h_root = level(root_tok, torch.zeros(a, 1, 0, dtype=torch.bool, device=dev), 0)  # [A, 1, H]
+
+        def expand(lv: Level) -> torch.Tensor:
+            # strictly earlier: a node's drafted ancestors and the root, never itself (none without "concate")
+            seen = (book.ancestors(lv.parents) if self.concat
+                    else torch.zeros(*lv.nodes.shape, 0, dtype=torch.bool, device=dev))
+            h = level(lv.tokens, seen, lv.depth)
+            if self.concat:
+                book.add(lv.nodes, lv.parents)  # their states were appended, in node order
+            return self._logits(h[0])[None] if vector else self._logits(h)
+
+        root_logits = self._logits(h_root[0, 0])[None] if vector else self._logits(h_root[:, 0])
+        return self.policy.grow_rows(root_logits, expand)
+
+    def _grow_laid_out(self, root_tok: torch.Tensor, at) -> Grown:
+        """CompiledTree's grow: root_tok [P, 1] -> the policy's trees, inside its region. A level's rows are written
+        behind the S slots they may see (a query never sees its own predicted state: Beagle's mask is strict), so
+        `at` is given S + m columns, the last m unseen; the root at the verified count is CompiledTree's depth 1."""
+        dtype = self.block.q_proj.weight.dtype
+
+        def level(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
+            p, mask = at(torch.cat([seen, seen.new_zeros(*tokens.shape, tokens.shape[1])], -1), depth + 1, dtype)
+            h = self.block(self.embed(tokens).to(dtype), p, mask, kv=self.kv.window_kv())
+            if self.concat:
+                self._append(h, p)
+            return h
+
+        return self._grow(root_tok, level)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         self.pending = (state.hidden, state.fresh, state.fresh_t)  # true states of the root and the accepted path

@@ -11,14 +11,22 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from specbench.errors import SpecbenchError
 
 
+def one_layer_config(target, **overrides):
+    """The target's config (with `overrides`) for one decoder layer: what a one-layer decoder is built from, and what
+    a one-layer static cache is sized by (model.compile: Beagle's cross-attention keys)."""
+    base = target.model.config
+    cfg = base.__class__.from_dict({**base.to_dict(), **overrides})
+    cfg.num_hidden_layers = 1
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:1]
+    return cfg
+
+
 def one_layer_decoder(target, **overrides) -> nn.Module:
     """A one-layer decoder of the target's architecture (its attention, positions, MLP; config `overrides`), fed
     with inputs_embeds: no token table, no final norm (outputs feed the target's LM head or another layer)."""
-    base = target.model.config
-    cfg = base.__class__.from_dict({**base.to_dict(), **overrides})
-    cfg.num_hidden_layers, cfg.vocab_size, cfg.pad_token_id = 1, 1, None  # no token table of its own
-    if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:1]
+    cfg = one_layer_config(target, **overrides)
+    cfg.vocab_size, cfg.pad_token_id = 1, None  # no token table of its own
     body = type(target.decoder)(cfg)
     body.embed_tokens = None
     body.norm = nn.Identity()

@@ -289,12 +289,14 @@ class CompiledTree:
         self._region = None
 
     def grow(self, cache: StaticCache, policy, vocab: int, grow: RegionGrow, root: torch.Tensor,
-             prefixes: torch.Tensor) -> DraftTree:
-        """root [A, ...] (what `grow` starts from: the root's feature or logits), prefixes [A] (each row's verified
-        entries in the cache) -> the step's DraftTree [A, N]."""
+             prefixes: torch.Tensor, entries: int | None = None) -> DraftTree:
+        """root [A, ...] (what `grow` starts from: the root's feature, token or logits), prefixes [A] (each row's
+        verified entries in the cache) -> the step's DraftTree [A, N]. entries: the drafted entries the tree appends
+        to the cache (default: one per node fed to `expand`, policy.expanded)."""
         a = root.shape[0]
         policy.prepare(root.device)  # (a policy's constant tensors made outside the graph, not as its outputs)
-        cache.begin(policy.expanded(vocab), STATIC_BLOCK)  # the width every level's mask spans
+        # the width every level's mask spans
+        cache.begin(policy.expanded(vocab) if entries is None else entries, STATIC_BLOCK)
         if self._region is None:
             self._region = compile_region(self._grow, cache)
         # fresh [bucket, ...] inputs (a graph guards on strides, and root may be a slice); the rows past `a` padding

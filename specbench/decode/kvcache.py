@@ -250,6 +250,11 @@ class StaticLayer(PreallocatedLayer):
         # (advanced indices around a slice put their axes first: the target is [bucket, Q, kv_heads, head_dim])
         self._k[rows, :, cols] = key_states.transpose(1, 2)
         self._v[rows, :, cols] = value_states.transpose(1, 2)
+        return self.window_kv()
+
+    def window_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [bucket, kv_heads, width, head_dim]: the buffers up to the window's width, what `update` returns,
+        without a write (a cross-attention's keys: Beagle's, which reads before it appends)."""
         w = self.window.width
         return self._k[:, :, :w], self._v[:, :, :w]
 
