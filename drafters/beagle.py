@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
-from drafters.layers import CrossAttentionBlock, one_layer_config
+from drafters.layers import CrossAttentionBlock, layers_config
 from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
 from specbench.decode.compiled import BUCKETS, STATIC_BLOCK, compile_region
 from specbench.decode.kvcache import StaticCache
@@ -199,7 +199,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         self.kv = self.new_kv(state.cache_positions, ragged=self.ragged)
         self.static = None
         if self.target.compiled is not None:
-            self.static = self.target.drafter_cache(one_layer_config(self.target), state.cache_positions, self.block,
+            self.static = self.target.drafter_cache(layers_config(self.target), state.cache_positions, self.block,
                                                     ragged=True, rows=state.rows)
             self.kv = self.static.layers[0]
         self.verified = [0] * state.rows  # true states in the cache, per row

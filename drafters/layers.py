@@ -11,21 +11,22 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from specbench.errors import SpecbenchError
 
 
-def one_layer_config(target, **overrides):
-    """The target's config (with `overrides`) for one decoder layer: what a one-layer decoder is built from, and what
-    a one-layer static cache is sized by (model.compile: Beagle's cross-attention keys)."""
+def layers_config(target, layers: int = 1, **overrides):
+    """The target's config (with `overrides`) for `layers` decoder layers of its first layer's kind: what a one-layer
+    decoder is built from, and what a drafter's static cache is sized by (model.compile: Beagle's cross-attention
+    keys, MoA's SA and TLI layers)."""
     base = target.model.config
     cfg = base.__class__.from_dict({**base.to_dict(), **overrides})
-    cfg.num_hidden_layers = 1
+    cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
-        cfg.layer_types = cfg.layer_types[:1]
+        cfg.layer_types = cfg.layer_types[:1] * layers
     return cfg
 
 
 def one_layer_decoder(target, **overrides) -> nn.Module:
     """A one-layer decoder of the target's architecture (its attention, positions, MLP; config `overrides`), fed
     with inputs_embeds: no token table, no final norm (outputs feed the target's LM head or another layer)."""
-    cfg = one_layer_config(target, **overrides)
+    cfg = layers_config(target, **overrides)
     cfg.vocab_size, cfg.pad_token_id = 1, None  # no token table of its own
     body = type(target.decoder)(cfg)
     body.embed_tokens = None

@@ -49,6 +49,8 @@ Where we differ, and why:
     verified tokens and the drafted path's) by default; their inference code runs the TLI layers without any cache
     (`use_cache=False`: a drafted row sees only itself and its level's siblings, which its tree mask hides), which
     `tli_context: none` reproduces. Training is the paper's either way (see the first item).
+model.compile: the same steps as compiled regions on static caches (the new activations, the SA over the new verified
+tokens, the whole tree; `_propose_static`), drafting the eager path's trees.
 """
 from __future__ import annotations
 
@@ -67,8 +69,10 @@ from specbench.decode.checkpoints import check_authors_config, copy_state, read_
 from specbench.decode.drafter import KV, TrainableDrafter
 from specbench.errors import SpecbenchError
 from drafters.distill import soft_ce, teacher_probs, top1
-from drafters.layers import target_layer
-from drafters.trees import GrowingTree, Level, make_tree
+from drafters.layers import layers_config, target_layer
+from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
+from specbench.decode.compiled import BUCKETS, STATIC_BLOCK, compile_region
+from specbench.decode.kvcache import StaticCache
 from specbench.decode.target import kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask, tree_attention_mask, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -290,7 +294,12 @@ class MoADrafter(TrainableDrafter):
         self.tli_context = (module or {}).get("tli_context", "target")
         if self.tli_context not in TLI_CONTEXT:
             raise SpecbenchError(f"moa tli_context={self.tli_context!r} is not one of {', '.join(TLI_CONTEXT)}")
+        self.target = target
         self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
+        self.static: StaticCache | None = None  # model.compile: the SA and TLI layers' static cache
+        self.ca_static: StaticCache | None = None  # and CA's
+        self.region = CompiledTree()  # the tree's growth, compiled
+        self._regions: dict = {}  # and the steps before it (_propose_static)
         self.ragged = False  # a batch's ragged rows (prefill_rows with several): the rows protocol's caches
         self.reset()
 
@@ -455,7 +464,8 @@ class MoADrafter(TrainableDrafter):
         level's siblings are hidden by their tree mask) -> the final norm of their output. x [B, R, E], p [B, R]."""
         itself = torch.eye(x.shape[1], dtype=torch.bool, device=self.device)[None, None]
         for cached, layer in zip(self.tli_kv, self.tli_layers):
-            kc, vc = cached.keys[:, :, :0], cached.values[:, :, :0]
+            kc, vc = cached.window_kv() if self.static is not None else (cached.keys, cached.values)
+            kc, vc = kc[: x.shape[0], :, :0], vc[: x.shape[0], :, :0]
             x, _, _ = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, itself)
         return self.final_norm(x)
 
@@ -538,13 +548,24 @@ class MoADrafter(TrainableDrafter):
 
     def prefill_rows(self, state: TargetState) -> None:
         self.ragged = state.lengths is not None
-        if not self.ragged:
+        self.static = None
+        if self.target.compiled is None and not self.ragged:
             return self.prefill(state)
         self.reset()
         size, a = state.cache_positions, state.rows
-        self.ca_kv = self.new_kv(size, ragged=True)
-        self.sa_cache = Cache(layers=[self.new_kv(size, ragged=True)])
-        self.tli_kv = [self.new_kv(size, ragged=True) for _ in range(self.net.tli)]
+        if self.target.compiled is not None:  # model.compile: static caches of the batch's bucket, rows ragged
+            # the SA layer and the TLI layers on one cache: inside the tree they write at the same offsets (the root's
+            # slot, then the drafted nodes', behind the verified activations); CA's keys on a cache of their own
+            self.static = self.target.drafter_cache(layers_config(self.target, 1 + self.net.tli), size,
+                                                    self.net.self_attention, ragged=True, rows=a)
+            self.ca_static = self.target.drafter_cache(layers_config(self.target), size, self.net.cross_attention,
+                                                       ragged=True, rows=a)
+            self.sa_cache, self.ca_kv = self.static, self.ca_static.layers[0]
+            self.tli_kv = list(self.static.layers[1:])
+        else:
+            self.ca_kv = self.new_kv(size, ragged=True)
+            self.sa_cache = Cache(layers=[self.new_kv(size, ragged=True)])
+            self.tli_kv = [self.new_kv(size, ragged=True) for _ in range(self.net.tli)]
         zeros = torch.zeros(a, dtype=torch.long, device=self.device)
         self._acts, self._acts_t = [0] * a, zeros  # activations in ca_kv and in the TLI caches, per row
         self._sa, self._sa_t = [0] * a, zeros.clone()  # verified tokens in the SA cache, per row
@@ -588,25 +609,38 @@ class MoADrafter(TrainableDrafter):
         [A, R, S'] as there -> logits [A, R, V]."""
         wdt = self._wdt()
         a, r = tokens.shape
-        p = pos[:, None].expand(a, r)
         sa_mask = batch_tree_mask(sa_seen, self._sa_t, max(self._sa) + sa_seen.shape[-1], wdt)
-        q = self.net.sa(self.embed(tokens).to(wdt), p, sa_mask, self.sa_cache)
         none = torch.zeros(a, r, 0, dtype=torch.bool, device=self.device)
         ca_allowed = batch_tree_mask(none, self._acts_t, max(self._acts), wdt)  # every activation of the row
-        x = self.net.cross_attention(q, p, ca_allowed, (self.ca_kv.keys, self.ca_kv.values))
+        tli_mask = None
+        if self.net.tli and self.tli_context != "none":
+            tli_mask = batch_tree_mask(tli_seen, self._acts_t, max(self._acts) + tli_seen.shape[-1],
+                                       self.tli_kv[0].keys.dtype)
+        return self._draft(tokens, pos[:, None].expand(a, r), sa_mask, ca_allowed,
+                           (self.ca_kv.keys, self.ca_kv.values), tli_mask)
+
+    def _draft(self, tokens: torch.Tensor, p: torch.Tensor, sa_mask: torch.Tensor, ca_mask: torch.Tensor,
+               ca_kv: tuple[torch.Tensor, torch.Tensor], tli_mask: torch.Tensor | None) -> torch.Tensor:
+        """Draft rows of every batch row in one forward: tokens [A, R] at positions p [A, R]; SA over the SA cache
+        (sa_mask [A, 1, R, W] additive: the verified tokens and the drafted slots each row sees, itself included), CA
+        over the verified activations (ca_mask over ca_kv), the TLI layers over their caches (tli_mask: the verified
+        activations and the drafted slots, the root's first; each layer's rows written behind each row's own entries)
+        -> logits [A, R, V]."""
+        q = self.net.sa(self.embed(tokens).to(self._wdt()), p, sa_mask, self.sa_cache)
+        x = self.net.cross_attention(q, p, ca_mask, ca_kv)
         if self.net.tli and self.tli_context == "none":
             x = self._tli_alone(x, p)
         elif self.net.tli:
             for cached, layer in zip(self.tli_kv, self.tli_layers):
-                dtype = cached.keys.dtype
-                allowed = batch_tree_mask(tli_seen, self._acts_t, max(self._acts) + tli_seen.shape[-1], dtype)
                 # the rows' K, V written behind each row's own entries, attention over the whole buffer
-                x, _, _ = target_layer(layer, self.rotary, x.to(dtype), p, None, None, allowed, into=cached)
+                x, _, _ = target_layer(layer, self.rotary, x.to(tli_mask.dtype), p, None, None, tli_mask, into=cached)
             x = self.final_norm(x)
         return self.lm_head(x.to(self.lm_head.weight.dtype))
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
+        if self.static is not None:
+            return self._propose_static(state)
         if not self.ragged:
             return self.propose(state)
         wdt, dev = self._wdt(), self.device
@@ -636,6 +670,111 @@ class MoADrafter(TrainableDrafter):
         grown = self.policy.grow_rows(root_logits, expand)
         self._set_lengths()  # drop drafted entries
         return grown.draft()
+
+    # ---- model.compile: the same steps as compiled regions on static caches ----------------------------------------
+    # Three regions a step, each padded to a bucket (their first run, over the prompt, eager as a prefill): the new
+    # activations (LSA, CA keys, the TLI caches' copies of the target's K/V, read from its static buffers whole), the
+    # SA over the new verified tokens, and the tree (drafters/trees.py CompiledTree). Unlike the eager rows, the
+    # root's SA entry is a drafted one (slot 0 of the tree, dropped with it): the next step's SA writes it again, as
+    # a verified token, with the tokens accepted after it.
+    def _propose_static(self, state: TargetState) -> DraftTree:
+        dev, static = self.device, self.static
+        lengths = state.lengths or [state.num_tokens] * state.rows
+        lengths_t = state.num_tokens_rows()
+        self._set_lengths()
+        m = max(t - 1 - c for t, c in zip(lengths, self._acts))  # new activations: the target's cached entries
+        if m > 0:
+            q = m if max(self._acts) == 0 else next((k for k in BUCKETS if k >= m), m)
+            cols = self._acts_t[:, None] + torch.arange(q, device=dev)  # [A, q]
+            self.ca_static.place(self._acts_t, max(self._acts), q, STATIC_BLOCK)
+            static.place(self._acts_t, max(self._acts), q, STATIC_BLOCK)  # (its TLI layers)
+            self._region("absorb", self._absorb_at, max(self._acts) == 0, self._bucket(cols), state.kv_static)
+            self._acts, self._acts_t = [t - 1 for t in lengths], lengths_t - 1
+        m = max(t - 1 - c for t, c in zip(lengths, self._sa))  # new verified tokens but the root, for the SA
+        if m > 0:
+            q = m if max(self._sa) == 0 else next((k for k in BUCKETS if k >= m), m)
+            cols = self._sa_t[:, None] + torch.arange(q, device=dev)  # [A, q]
+            toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
+            static.place(self._sa_t, max(self._sa), q, STATIC_BLOCK)
+            self._region("sa", self._sa_at, max(self._sa) == 0, self._bucket(toks), self._bucket(cols),
+                         self._bucket(self._sa_t))
+            self._sa, self._sa_t = [t - 1 for t in lengths], lengths_t - 1
+        self._set_lengths()  # the SA layer at the verified activations' count: the tree's prefixes
+        self.ca_static.place(self._acts_t, max(self._acts), 0, STATIC_BLOCK)  # the width CA reads
+        root = state.tokens.gather(1, (lengths_t - 1)[:, None])  # [A, 1]
+        # the drafted entries of the SA and TLI layers: the root's and one per node fed to `expand`
+        vocab = self.lm_head.weight.shape[0]
+        return self.region.grow(static, self.policy, vocab, self._grow_laid_out, root, self._sa_t,
+                                1 + self.policy.expanded(vocab))
+
+    def _bucket(self, x: torch.Tensor) -> torch.Tensor:
+        """x [A, ...] -> [bucket, ...], the rows past A zeros (a graph guards on shapes and strides)."""
+        out = x.new_zeros(self.static.batch, *x.shape[1:])
+        out[: x.shape[0]] = x
+        return out
+
+    def _region(self, name: str, fn, prefill: bool, *args) -> None:
+        """fn(*args) compiled (one region per name; its first run, over the prompt, eager as a prefill)."""
+        if prefill:
+            return fn(*args)
+        if name not in self._regions:
+            self._regions[name] = compile_region(fn, self.static)
+        return self._regions[name](*args)
+
+    def _absorb_at(self, cols: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The activations of the target's cached columns cols [P, q] (each row's new ones, then padding, written past
+        its own: stale), from its static buffers kv: LSA, CA keys, the TLI layers' K, V, written at the caches'
+        offsets."""
+        p, q = cols.shape
+        at = cols.clamp(max=kv[0][0].shape[2] - 1)[:, None, :, None]
+
+        def take(x: torch.Tensor) -> torch.Tensor:  # [P', nkv, cap, dh] -> [P, nkv, q, dh]
+            if x.shape[0] < p:  # (the target's bucket smaller than ours: its missing rows are padding)
+                x = torch.cat([x, x.new_zeros(p - x.shape[0], *x.shape[1:])])
+            return x[:p].gather(2, at.expand(-1, x.shape[1], -1, x.shape[3]))
+
+        new = [(take(k), take(v)) for k, v in kv]
+        per_layer = torch.stack([kv_per_token(k, v) for k, v in new], 2)  # [P, q, L, 2E_kv]
+        acts = self.net.lsa(per_layer.flatten(0, 1).to(self._wdt())).view(p, q, -1)  # [P, q, E]
+        self.ca_kv.update(*self.net.cross_attention.keys(acts, cols))
+        for cached, (k, v) in zip(self.tli_kv, new[len(new) - self.net.tli :]):
+            cached.update(k, v)
+
+    def _sa_at(self, toks: torch.Tensor, cols: torch.Tensor, prefixes: torch.Tensor) -> None:
+        """The SA over tokens toks [P, q] at positions cols [P, q], behind each row's `prefixes` [P] verified ones,
+        causal among themselves, written at the SA layer's offsets."""
+        p, q = toks.shape
+        causal = torch.ones(q, q, dtype=torch.bool, device=toks.device).tril().expand(p, q, q)
+        wdt = self._wdt()
+        self.net.sa(self.embed(toks).to(wdt), cols, batch_tree_mask(causal, prefixes, self.static.window.width, wdt),
+                    self.sa_cache)
+
+    def _grow_laid_out(self, root: torch.Tensor, at) -> Grown:
+        """CompiledTree's grow: root tokens [P, 1] -> the policy's trees, inside its region. Every level (the root the
+        first, in slot 0, at each row's verified activations' count: CompiledTree's depth 1) runs SA and the TLI
+        layers over the same slots and mask, CA over every verified activation."""
+        p, dev = root.shape[0], root.device
+        book = GrowingTree(self.policy.max_nodes, dev, root_slot=True, trees=p)
+        seen = torch.ones(p, 1, 1, dtype=torch.bool, device=dev)  # the root sees its own slot
+        pos = at(seen, 1, self._wdt())[0]  # [P, 1]: each row's prefix (and the root's offsets, set again below)
+        ca_kv = self.ca_kv.window_kv()
+        ca_mask = batch_tree_mask(torch.zeros(p, 1, 0, dtype=torch.bool, device=dev), pos[:, 0], ca_kv[0].shape[2],
+                                  self._wdt())  # [P, 1, 1, W]: every level's rows, broadcast
+
+        def rows(tokens: torch.Tensor, seen_: torch.Tensor, depth: int) -> torch.Tensor:
+            p_, mask_ = at(seen_, depth, self._wdt())
+            tli_mask = None
+            if self.net.tli:  # the same slots, in the target's dtype (the TLI layers' caches are the target's)
+                tli_mask = mask_ if self.target.dtype == mask_.dtype else batch_tree_mask(
+                    seen_, pos[:, 0], mask_.shape[-1], self.target.dtype)
+            return self._draft(tokens, p_, mask_, ca_mask, ca_kv, tli_mask)
+
+        root_logits = rows(root, seen, 1)[:, 0]
+
+        def expand(level: Level) -> torch.Tensor:
+            return rows(level.tokens, book.add(level.nodes, level.parents), level.depth + 1)
+
+        return self.policy.grow_rows(root_logits, expand)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         pass  # as on_verified

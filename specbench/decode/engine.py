@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specbench.decode.clock import StepClock, sync
+from specbench.decode.kvcache import StaticCache
 from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, check_batched, rows_protocol
 from specbench.decode.sampling import logits_to_probs, sample
 from specbench.decode.rows import Row, Rows
@@ -151,6 +152,7 @@ class Engine:
             tokens=rows.ids[:, : max(lengths)],
             hidden=hidden if HIDDEN in needs else None,
             kv=cache_kv(cache, self.target.device) if KV in needs else None,
+            kv_static=cache.buffers() if KV in needs and isinstance(cache, StaticCache) else None,
             layers=layers if LAYERS in needs else None,
             sampling=self.sampling,
             generator=gens[0] if len(gens) == 1 else None,

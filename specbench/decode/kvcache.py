@@ -306,17 +306,28 @@ class StaticCache(PreallocatedCache):
             if live > self.batch:
                 raise SpecbenchError(f"model.compile: {live} rows on a static cache of {self.batch}")
             self.window.live = live
-        n = self.get_seq_length()
-        if n + rows > self.capacity:
-            raise SpecbenchError(f"model.compile: {n + rows} positions exceed the static cache's {self.capacity}")
         first = self.layers[0]
-        if first.rows is None:
-            self.at.fill_(n)
+        return self.place(first.length if first.rows is None else first.at, self.get_seq_length(), rows, block)
+
+    def place(self, at: torch.Tensor | int, longest: int, rows: int, block: int | None = None) -> int:
+        """begin's placement given by the caller: live row b writes at at[b] (an int: every row there), the padding
+        rows at 0; `longest` the longest live row's entries (the width's base). For a drafter whose layers hold
+        different counts (MoA: its SA and TLI layers), where the first layer's lengths do not say. Returns the width."""
+        if longest + rows > self.capacity:
+            raise SpecbenchError(f"model.compile: {longest + rows} positions exceed the static cache's {self.capacity}")
+        if isinstance(at, int):
+            self.at.fill_(at)
         else:
-            self.at[: self.live].copy_(first.at)
+            self.at[: self.live].copy_(at)
         self.at[self.live :] = 0
-        self.window.width = self.capacity if block is None else min(self.capacity, block * -(-(n + rows) // block))
+        end = longest + rows
+        self.window.width = self.capacity if block is None else min(self.capacity, block * -(-end // block))
         return self.window.width
+
+    def buffers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's whole K, V buffers [bucket, kv_heads, capacity, head_dim]: shapes that never change (a
+        drafter's compiled region reading the target's cache: MoA's)."""
+        return [(layer._k, layer._v) for layer in self.layers]
 
     def advance(self, rows: int) -> None:
         """The forward's first `rows` rows now count as cached, in every live row."""

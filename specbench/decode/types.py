@@ -109,6 +109,9 @@ class TargetState:
     hidden: torch.Tensor | None  # [B, n, H] target last hidden states of the n tokens just written to its cache,
     #                              i.e. of tokens[:, T-1-n : T-1] (the prompt at prefill; root + accepted path after a step)
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # per layer (K, V) [B, kv_heads, T-1, head_dim], the target cache
+    # model.compile: the same cache's static buffers whole, per layer [bucket, kv_heads, capacity, head_dim] (shapes
+    # that never change, for a drafter's compiled region; only for drafters needing KV); None otherwise
+    kv_static: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     layers: torch.Tensor | None = None  # [B, n, k*H] the inputs of the drafter's `hidden_layers` (EAGLE-3's
     #                                    low/middle/high features), rows as `hidden`'s; only for drafters needing LAYERS
     sampling: SamplingParams = field(default_factory=SamplingParams)
