@@ -44,7 +44,7 @@ from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import CrossAttentionBlock, layers_config
 from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
-from specbench.decode.compiled import BUCKETS, STATIC_BLOCK, compile_region
+from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
 from specbench.decode.kvcache import StaticCache
 from specbench.decode.tree import batch_tree_mask, in_block, up_to_start, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -113,7 +113,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         self.pending: tuple[torch.Tensor, list[int] | None, torch.Tensor | None] | None = None
         self.static: StaticCache | None = None  # model.compile: the static cache whose one layer is `kv`
         self.region = CompiledTree()  # and the tree's growth, compiled
-        self._appends = None  # and the append of new true states, compiled (_propose_static)
+        self._appends = Region(self._append_at)  # and the append of new true states (_propose_static)
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
@@ -209,7 +209,10 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
 
     def _append(self, states: torch.Tensor, pos: torch.Tensor) -> None:
         k, v = self.block.keys(states.to(self.block.q_proj.weight.dtype), pos)
-        self.kv.update(k, v)
+        if self.static is not None:
+            self.kv.write(k, v)  # (no read of the window: a region that only appends keeps one graph for every width)
+        else:
+            self.kv.update(k, v)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h.to(self.lm_head.weight.dtype))
@@ -265,19 +268,10 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         if not self.ragged:  # one row: every state is fresh
             fresh, fresh_t = [n], torch.full((1,), n, dtype=torch.long, device=self.device)
         self.kv.set_row_lengths(self.verified, self.verified_t)
-        prefill = static.get_seq_length() == 0
-        q = n if prefill else next((k for k in BUCKETS if k >= n), n)
+        prefill = static.get_seq_length() == 0  # (the prompt's states: eager)
+        q = step_rows(n, prefill)
         static.begin(q, STATIC_BLOCK)  # each row's states behind its own verified ones
-        x = states.new_zeros(static.batch, q, states.shape[-1])  # rows past `a`: padding
-        x[:a, :n] = states
-        prefixes = self.verified_t.new_zeros(static.batch)
-        prefixes[:a] = self.verified_t
-        if prefill:  # the prompt's states: any length, eager (as the target's prefill)
-            self._append_at(x, prefixes)
-        else:
-            if self._appends is None:
-                self._appends = compile_region(self._append_at, static)
-            self._appends(x, prefixes)
+        self._appends(static, prefill, pad_rows(states, static.batch, q), pad_rows(self.verified_t, static.batch))
         self.verified = [v + k for v, k in zip(self.verified, fresh)]
         self.verified_t = self.verified_t + fresh_t
         self.kv.set_row_lengths(self.verified, self.verified_t)

@@ -54,7 +54,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.trees import CompiledTree, GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
-from specbench.decode.compiled import BUCKETS, STATIC_BLOCK, compile_region
+from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
 from specbench.decode.drafter import LAYERS, RowsDrafter, TrainableDrafter
 from specbench.decode.kvcache import StaticCache
 from specbench.errors import SpecbenchError
@@ -380,7 +380,7 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         self.ragged = False  # a batch's ragged rows (prefill_rows with several)
         self.static: StaticCache | None = None  # model.compile: the static cache whose one layer is `past`
         self.region = CompiledTree()  # and the tree's growth, compiled
-        self._pairs = None  # and the step over newly verified pairs, compiled (_propose_static)
+        self._pairs = Region(self._pairs_step)  # and the step over newly verified pairs (_propose_static)
 
     def save_for_serving(self, out: Path, fmt: str, verifier: str) -> Path:
         """This head for SGLang or vLLM (save_for_serving); a chain of the tree's depth for vLLM's proposer."""
@@ -545,19 +545,11 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         if not self.ragged:  # one row: every pair is fresh
             fresh, fresh_t = [n], torch.full((1,), n, device=self.device)
         self.past.set_row_lengths(self.verified, self.verified_t)
-        prefill = static.get_seq_length() == 0
-        q = n if prefill else next((k for k in BUCKETS if k >= n), n)
+        prefill = static.get_seq_length() == 0  # (the prompt's pairs: eager)
+        q = step_rows(n, prefill)
         static.begin(q, STATIC_BLOCK)  # each row's pairs behind its own verified ones
-        ids, f = toks.new_zeros(static.batch, q), feats.new_zeros(static.batch, q, feats.shape[-1])  # rows past `a`:
-        ids[:a, :n], f[:a, :n] = toks, feats  # padding
-        prefixes = self.verified_t.new_zeros(static.batch)
-        prefixes[:a] = self.verified_t
-        if prefill:  # the prompt's pairs: any length, eager (as the target's prefill)
-            h = self._pairs_step(ids, f, prefixes)
-        else:
-            if self._pairs is None:
-                self._pairs = compile_region(self._pairs_step, static)
-            h = self._pairs(ids, f, prefixes)
+        h = self._pairs(static, prefill, pad_rows(toks, static.batch, q), pad_rows(feats, static.batch, q),
+                        pad_rows(self.verified_t, static.batch))  # (the rows past `a`: padding)
         root_h = h[:a].gather(1, (fresh_t - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
         self.verified = [v + k for v, k in zip(self.verified, fresh)]
         self.verified_t = self.verified_t + fresh_t

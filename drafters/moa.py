@@ -71,7 +71,7 @@ from specbench.errors import SpecbenchError
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import layers_config, target_layer
 from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
-from specbench.decode.compiled import BUCKETS, STATIC_BLOCK, compile_region
+from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
 from specbench.decode.kvcache import StaticCache
 from specbench.decode.target import kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask, tree_attention_mask, visible
@@ -299,7 +299,8 @@ class MoADrafter(TrainableDrafter):
         self.static: StaticCache | None = None  # model.compile: the SA and TLI layers' static cache
         self.ca_static: StaticCache | None = None  # and CA's
         self.region = CompiledTree()  # the tree's growth, compiled
-        self._regions: dict = {}  # and the steps before it (_propose_static)
+        # and the steps before it (_propose_static): the new activations, the SA over the new verified tokens
+        self._absorb_region, self._sa_region = Region(self._absorb_at), Region(self._sa_at)
         self.ragged = False  # a batch's ragged rows (prefill_rows with several): the rows protocol's caches
         self.reset()
 
@@ -540,7 +541,8 @@ class MoADrafter(TrainableDrafter):
         pass  # everything the next cycle needs is read from state.kv / state.tokens in propose
 
     # ---- the rows protocol: every row of a batch in the same forwards ---------------------------------------------
-    # Batch 1 is the one-row path above (its records unchanged). Ragged rows (B > 1): the CA, SA and TLI caches hold
+    # Batch 1 is the one-row path above (its records unchanged), except with model.compile (below: every batch size
+    # through the static path). Ragged rows (B > 1): the CA, SA and TLI caches hold
     # one row per batch row, each at its own length (`_acts` activations, `_sa` SA entries: host lists and device
     # tensors); the new activations, the new verified tokens' SA and each tree level are one forward for all rows
     # (padded to the longest row; a row's padding entries are written, then left stale behind its length).
@@ -584,22 +586,8 @@ class MoADrafter(TrainableDrafter):
         m = max(n - c for n, c in zip(now, self._acts))
         if m <= 0:
             return
-        width = state.kv[0][0].shape[2]
-        cols = (self._acts_t[:, None] + torch.arange(m, device=self.device)).clamp(max=width - 1)  # [A, m]
-        a = cols.shape[0]
-
-        def take(x: torch.Tensor) -> torch.Tensor:  # [A, nkv, W, dh] -> the rows' new columns [A, nkv, m, dh]
-            return x.gather(2, cols[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
-
-        new = [(take(k), take(v)) for k, v in state.kv]
-        per_layer = torch.stack([kv_per_token(k, v) for k, v in new], 2)  # [A, m, L, 2E_kv]
-        acts = self.net.lsa(per_layer.flatten(0, 1).to(self._wdt())).view(a, m, -1)  # [A, m, E]
-        pos = self._acts_t[:, None] + torch.arange(m, device=self.device)
         self._set_lengths(sa=False)
-        k, v = self.net.cross_attention.keys(acts, pos)
-        self.ca_kv.update(k, v)
-        for cached, (k, v) in zip(self.tli_kv, new[len(new) - self.net.tli :]):
-            cached.update(k, v)
+        self._absorb_at(self._acts_t[:, None] + torch.arange(m, device=self.device), state.kv)
         self._acts, self._acts_t = now, state.num_tokens_rows() - 1
         self._set_lengths(sa=False)
 
@@ -643,7 +631,7 @@ class MoADrafter(TrainableDrafter):
             return self._propose_static(state)
         if not self.ragged:
             return self.propose(state)
-        wdt, dev = self._wdt(), self.device
+        dev = self.device
         self._absorb_rows(state)
         lengths_t = state.num_tokens_rows()  # [A] verified tokens, the root last
         a = lengths_t.shape[0]
@@ -651,9 +639,7 @@ class MoADrafter(TrainableDrafter):
         if m > 0:  # each row's new verified tokens (the root excluded), causal, after its cached ones
             cols = self._sa_t[:, None] + torch.arange(m, device=dev)  # [A, m]
             toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
-            causal = torch.ones(m, m, dtype=torch.bool, device=dev).tril().expand(a, m, m)
-            self.net.sa(self.embed(toks).to(wdt), cols,
-                        batch_tree_mask(causal, self._sa_t, max(self._sa) + m, wdt), self.sa_cache)
+            self._sa_at(toks, cols, self._sa_t, max(self._sa) + m)
             self._sa, self._sa_t = [t - 1 for t in state.lengths], lengths_t - 1
             self.sa_cache.layers[0].set_row_lengths(self._sa, self._sa_t)
         root_pos = lengths_t - 1
@@ -672,7 +658,7 @@ class MoADrafter(TrainableDrafter):
         return grown.draft()
 
     # ---- model.compile: the same steps as compiled regions on static caches ----------------------------------------
-    # Three regions a step, each padded to a bucket (their first run, over the prompt, eager as a prefill): the new
+    # Three regions a step, each padded to a bucket (the first two run eagerly over the prompt, as a prefill): the new
     # activations (LSA, CA keys, the TLI caches' copies of the target's K/V, read from its static buffers whole), the
     # SA over the new verified tokens, and the tree (drafters/trees.py CompiledTree). Unlike the eager rows, the
     # root's SA entry is a drafted one (slot 0 of the tree, dropped with it): the next step's SA writes it again, as
@@ -682,49 +668,39 @@ class MoADrafter(TrainableDrafter):
         lengths = state.lengths or [state.num_tokens] * state.rows
         lengths_t = state.num_tokens_rows()
         self._set_lengths()
+        bucket = static.batch
         m = max(t - 1 - c for t, c in zip(lengths, self._acts))  # new activations: the target's cached entries
         if m > 0:
-            q = m if max(self._acts) == 0 else next((k for k in BUCKETS if k >= m), m)
+            prefill = max(self._acts) == 0  # (the prompt's: eager)
+            q = step_rows(m, prefill)
             cols = self._acts_t[:, None] + torch.arange(q, device=dev)  # [A, q]
             self.ca_static.place(self._acts_t, max(self._acts), q, STATIC_BLOCK)
             static.place(self._acts_t, max(self._acts), q, STATIC_BLOCK)  # (its TLI layers)
-            self._region("absorb", self._absorb_at, max(self._acts) == 0, self._bucket(cols), state.kv_static)
+            self._absorb_region(static, prefill, pad_rows(cols, bucket), state.kv_static)
             self._acts, self._acts_t = [t - 1 for t in lengths], lengths_t - 1
         m = max(t - 1 - c for t, c in zip(lengths, self._sa))  # new verified tokens but the root, for the SA
         if m > 0:
-            q = m if max(self._sa) == 0 else next((k for k in BUCKETS if k >= m), m)
+            prefill = max(self._sa) == 0
+            q = step_rows(m, prefill)
             cols = self._sa_t[:, None] + torch.arange(q, device=dev)  # [A, q]
             toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
-            static.place(self._sa_t, max(self._sa), q, STATIC_BLOCK)
-            self._region("sa", self._sa_at, max(self._sa) == 0, self._bucket(toks), self._bucket(cols),
-                         self._bucket(self._sa_t))
+            width = static.place(self._sa_t, max(self._sa), q, STATIC_BLOCK)
+            self._sa_region(static, prefill, pad_rows(toks, bucket), pad_rows(cols, bucket),
+                            pad_rows(self._sa_t, bucket), width)
             self._sa, self._sa_t = [t - 1 for t in lengths], lengths_t - 1
         self._set_lengths()  # the SA layer at the verified activations' count: the tree's prefixes
-        self.ca_static.place(self._acts_t, max(self._acts), 0, STATIC_BLOCK)  # the width CA reads
         root = state.tokens.gather(1, (lengths_t - 1)[:, None])  # [A, 1]
         # the drafted entries of the SA and TLI layers: the root's and one per node fed to `expand`
         vocab = self.lm_head.weight.shape[0]
-        return self.region.grow(static, self.policy, vocab, self._grow_laid_out, root, self._sa_t,
-                                1 + self.policy.expanded(vocab))
-
-    def _bucket(self, x: torch.Tensor) -> torch.Tensor:
-        """x [A, ...] -> [bucket, ...], the rows past A zeros (a graph guards on shapes and strides)."""
-        out = x.new_zeros(self.static.batch, *x.shape[1:])
-        out[: x.shape[0]] = x
-        return out
-
-    def _region(self, name: str, fn, prefill: bool, *args) -> None:
-        """fn(*args) compiled (one region per name; its first run, over the prompt, eager as a prefill)."""
-        if prefill:
-            return fn(*args)
-        if name not in self._regions:
-            self._regions[name] = compile_region(fn, self.static)
-        return self._regions[name](*args)
+        entries = 1 + self.policy.expanded(vocab)
+        # the width CA reads, the one the tree's SA and TLI layers will (one graph per block, not two)
+        self.ca_static.place(self._acts_t, max(self._acts), entries, STATIC_BLOCK)
+        return self.region.grow(static, self.policy, vocab, self._grow_laid_out, root, self._sa_t, entries)
 
     def _absorb_at(self, cols: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The activations of the target's cached columns cols [P, q] (each row's new ones, then padding, written past
-        its own: stale), from its static buffers kv: LSA, CA keys, the TLI layers' K, V, written at the caches'
-        offsets."""
+        its own: stale), from its K, V kv (per layer [P' >= P or the bucket, nkv, >= cols, dh]: the cache's views, or
+        its static buffers whole): LSA, CA keys, the TLI layers' K, V, written at the caches' offsets."""
         p, q = cols.shape
         at = cols.clamp(max=kv[0][0].shape[2] - 1)[:, None, :, None]
 
@@ -736,18 +712,17 @@ class MoADrafter(TrainableDrafter):
         new = [(take(k), take(v)) for k, v in kv]
         per_layer = torch.stack([kv_per_token(k, v) for k, v in new], 2)  # [P, q, L, 2E_kv]
         acts = self.net.lsa(per_layer.flatten(0, 1).to(self._wdt())).view(p, q, -1)  # [P, q, E]
-        self.ca_kv.update(*self.net.cross_attention.keys(acts, cols))
+        self.ca_kv.write(*self.net.cross_attention.keys(acts, cols))
         for cached, (k, v) in zip(self.tli_kv, new[len(new) - self.net.tli :]):
-            cached.update(k, v)
+            cached.write(k, v)
 
-    def _sa_at(self, toks: torch.Tensor, cols: torch.Tensor, prefixes: torch.Tensor) -> None:
+    def _sa_at(self, toks: torch.Tensor, cols: torch.Tensor, prefixes: torch.Tensor, width: int) -> None:
         """The SA over tokens toks [P, q] at positions cols [P, q], behind each row's `prefixes` [P] verified ones,
-        causal among themselves, written at the SA layer's offsets."""
+        causal among themselves, over `width` cache columns, written at the SA layer's offsets."""
         p, q = toks.shape
         causal = torch.ones(q, q, dtype=torch.bool, device=toks.device).tril().expand(p, q, q)
         wdt = self._wdt()
-        self.net.sa(self.embed(toks).to(wdt), cols, batch_tree_mask(causal, prefixes, self.static.window.width, wdt),
-                    self.sa_cache)
+        self.net.sa(self.embed(toks).to(wdt), cols, batch_tree_mask(causal, prefixes, width, wdt), self.sa_cache)
 
     def _grow_laid_out(self, root: torch.Tensor, at) -> Grown:
         """CompiledTree's grow: root tokens [P, 1] -> the policy's trees, inside its region. Every level (the root the

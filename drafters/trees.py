@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from specbench.decode.compiled import STATIC_BLOCK, compile_region
+from specbench.decode.compiled import STATIC_BLOCK, compile_region, pad_rows
 from specbench.decode.kvcache import StaticCache
 from specbench.errors import SpecbenchError
 from specbench.decode.tree import batch_tree_mask, is_chain
@@ -299,10 +299,9 @@ class CompiledTree:
         cache.begin(policy.expanded(vocab) if entries is None else entries, STATIC_BLOCK)
         if self._region is None:
             self._region = compile_region(self._grow, cache)
-        # fresh [bucket, ...] inputs (a graph guards on strides, and root may be a slice); the rows past `a` padding
-        x, lengths = root.new_zeros(cache.batch, *root.shape[1:]), prefixes.new_zeros(cache.batch)
-        x[:a], lengths[:a] = root, prefixes
-        tokens, parents, priority, chain = self._region(grow, cache, x, lengths)
+        # the rows past `a` padding
+        tokens, parents, priority, chain = self._region(grow, cache, pad_rows(root, cache.batch),
+                                                        pad_rows(prefixes, cache.batch))
         # copies: a CUDA graph's outputs are its own buffers, rewritten by its next replay
         return DraftTree(tokens=tokens[:a].clone(), parents=parents[:a].clone(), is_chain=chain,
                          priority=None if priority is None else priority[:a].clone())

@@ -162,7 +162,8 @@ def test_a_drafters_static_cache_holds_what_the_targets_holds(compiled):
 
 
 @pytest.mark.parametrize("name,batch,graphs", [("eagle2", 1, 2), ("eagle2", 3, 2), ("eagle", 1, 2), ("sd_tree", 3, 2),
-                                               ("eagle3", 3, 2), ("beagle", 3, 2), ("moa_tli1", 1, 3), ("moa", 3, 3)])
+                                               ("eagle3", 3, 2), ("beagle", 1, 2), ("beagle", 3, 2), ("moa_tli1", 1, 3),
+                                               ("moa", 3, 3)])
 def test_a_draft_tree_grows_in_one_compiled_region(compiled, name, batch, graphs, monkeypatch):
     """Issue 48, item 4: with model.compile, EAGLE-2's propose is two graph replays (the head's forward over the
     verified pairs, then the whole tree: every level's forward, LM head, top-k, scores and gathers) with a few dozen

@@ -181,6 +181,39 @@ class CompiledDecoders:
         return runner.new_cache(capacity, batch)
 
 
+def pad_rows(x: torch.Tensor, rows: int, width: int | None = None) -> torch.Tensor:
+    """x [A, n, ...] -> a fresh [rows, width, ...] (width: n when None; x [A] -> [rows]), x in its top-left corner,
+    zeros elsewhere: a region's inputs span the static cache's batch bucket (and a row count's bucket), and a fresh
+    tensor has the strides a graph guards on (a caller's slice has its whole tensor's)."""
+    if x.dim() == 1:  # [A] -> [rows]
+        out = x.new_zeros(rows)
+        out[: x.shape[0]] = x
+        return out
+    out = x.new_zeros(rows, x.shape[1] if width is None else width, *x.shape[2:])
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
+
+
+def step_rows(n: int, prefill: bool) -> int:
+    """A drafter's step over n new rows, padded to a bucket (one graph each); a prefill's rows as they are."""
+    return n if prefill else next((k for k in BUCKETS if k >= n), n)
+
+
+class Region:
+    """A drafter's step as a compiled region (compile_region), built on its first compiled call; a prefill (the
+    prompt's rows, any count) runs it eagerly, as the target's prefill."""
+
+    def __init__(self, fn):
+        self.fn, self._compiled = fn, None
+
+    def __call__(self, cache: StaticCache, prefill: bool, *args):
+        if prefill:
+            return self.fn(*args)
+        if self._compiled is None:
+            self._compiled = compile_region(self.fn, cache)
+        return self._compiled(*args)
+
+
 def compile_region(fn, cache: StaticCache):
     """fn compiled as the static cache's decoder is (its device and backend): a drafter's region that runs that decoder
     (`decode(..., laid_out=True)`) among its own tensor ops, e.g. a whole draft tree's levels and their growth."""

@@ -109,6 +109,10 @@ class PreallocatedLayer(CacheLayerMixin):
         self.length = end
         return self.keys, self.values
 
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """update without its return: for a drafter that reads its keys elsewhere (MoA's CA and TLI copies)."""
+        self.update(key_states, value_states)
+
     def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
         """Row b holds lengths[b] entries from now on (after a per-row compaction); equal lengths end raggedness.
         `at` [B]: the same lengths on the device (the engine keeps them there; else copied from the host)."""
@@ -205,7 +209,7 @@ class PreallocatedCache(Cache):
 
 @dataclass
 class StaticWindow:
-    """What every layer of one static cache shares for the forward at hand (set by StaticCache.begin)."""
+    """What every layer of one static cache shares for the forward at hand (set by StaticCache.begin or place)."""
 
     width: int  # the columns attention reads (a context block)
     live: int  # the batch rows that hold a prompt (the first `live`; the others pad the batch bucket)
@@ -214,10 +218,10 @@ class StaticWindow:
 class StaticLayer(PreallocatedLayer):
     """model.compile: one layer's buffers at a fixed capacity and a fixed batch (the batch bucket), which attention
     reads whole (static shapes for torch.compile and CUDA graphs; the engine's mask hides the columns not in use). A
-    forward writes batch row b's rows at the device-side offset `at[b]` (set by StaticCache.begin before each forward,
-    shared by every layer), so a compiled graph never reads the host's lengths; the host lengths (what `keys` /
-    `values` view, crop and compaction use) are advanced by StaticCache.advance after the forward, for the rows that
-    count (a padded tree's padding rows are written past them, stale). Ragged rows (a batch) are PreallocatedLayer's:
+    forward writes batch row b's rows at the device-side offset `at[b]` (set by StaticCache.begin or place before
+    each forward, shared by every layer), so a compiled graph never reads the host's lengths; the host lengths (what
+    `keys` / `values` view, crop and compaction use) are advanced by StaticCache.advance after the forward, for the
+    rows that count (a padded tree's padding rows are written past them, stale). Ragged rows (a batch) are PreallocatedLayer's:
     per-row host lengths and their device copy. The batch rows past `live` pad the bucket: written, never read."""
 
     def __init__(self, capacity: int, at: torch.Tensor, window: StaticWindow):
@@ -243,6 +247,12 @@ class StaticLayer(PreallocatedLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states [bucket, kv_heads, Q, head_dim]: batch row b's Q rows written at columns at[b] .. at[b] + Q - 1
         (one scatter for the batch); returns the buffers up to the window's width."""
+        self.write(key_states, value_states)
+        return self.window_kv()
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """update without its return, so a compiled region that only writes does not depend on the window's width
+        (one graph for every context block: Beagle's and MoA's appends)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cols = self.write_at[:, None] + torch.arange(key_states.shape[-2], device=key_states.device)  # [bucket, Q]
@@ -250,11 +260,10 @@ class StaticLayer(PreallocatedLayer):
         # (advanced indices around a slice put their axes first: the target is [bucket, Q, kv_heads, head_dim])
         self._k[rows, :, cols] = key_states.transpose(1, 2)
         self._v[rows, :, cols] = value_states.transpose(1, 2)
-        return self.window_kv()
 
     def window_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [bucket, kv_heads, width, head_dim]: the buffers up to the window's width, what `update` returns,
-        without a write (a cross-attention's keys: Beagle's, which reads before it appends)."""
+        without a write (a cross-attention's keys: Beagle's and MoA's CA, read before or apart from their writes)."""
         w = self.window.width
         return self._k[:, :, :w], self._v[:, :, :w]
 

@@ -81,8 +81,10 @@ class TargetModel:
         """A cache of the target's kind (model.cache) for a drafter's own decoder of `config` (EAGLE's head, sd's
         draft model): `capacity` positions, grown past them if it must. Compiled, for a drafter that names its
         `decoder` and runs it through specbench.compiled.decode: that decoder's static cache for `rows` batch rows
-        (its graphs built on it). ragged: the `rows` rows of a batch, each written at its own length: a static cache
-        as above, else a preallocated one, whatever model.cache says (as the engine's own for B > 1)."""
+        (its graphs built on it); a drafter whose layers are not an HF decoder (EAGLE-3, Beagle, MoA) names one of its
+        modules as the key of a static cache of `config`'s layer count, which its own compiled regions write. ragged:
+        the `rows` rows of a batch, each written at its own length: a static cache as above, else a preallocated one,
+        whatever model.cache says (as the engine's own for B > 1)."""
         if self.drafter_decoders is not None and decoder is not None:
             # a static cache cannot grow: room for as much as the target's, which is sized to this generation
             held = self.compiled.capacity
@@ -96,7 +98,8 @@ class TargetModel:
         mid-layer, Beagle's cross-attention keys, MoA's CA and TLI layers), of the target's kind (model.cache):
         transformers' DynamicLayer (a torch.cat per append) or a PreallocatedLayer of `capacity` positions (in-place
         writes, grown past them if it must). Both: update(k, v) appends and returns the whole; crop(-n) drops n.
-        ragged (a batch's rows at their own lengths): a PreallocatedLayer whatever model.cache says."""
+        ragged (a batch's rows at their own lengths): a PreallocatedLayer whatever model.cache says. (model.compile:
+        those drafters take a static cache from drafter_cache instead.)"""
         if ragged or self.cache == "preallocated":
             return PreallocatedLayer(capacity)
         return DynamicLayer()
