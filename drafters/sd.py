@@ -244,18 +244,13 @@ class IndependentDrafter(TrainableDrafter):
         if isinstance(self.cache, StaticCache):  # model.compile: the whole tree one compiled region
             return self.region.grow(self.cache, self.policy, root_logits.shape[-1], self._grow_laid_out,
                                     root_logits[None], torch.full((1,), verified, device=root_logits.device))
-        book = GrowingTree(self.policy.max_nodes, root_logits.device)
-        dtype = self.model.get_output_embeddings().weight.dtype
+        dev = root_logits.device
 
-        @torch.inference_mode()
-        def expand(level: Level) -> torch.Tensor:
-            seen = book.add(level.nodes, level.parents)
-            pos = torch.full((1, level.nodes.shape[0]), verified - 1 + level.depth, device=root_logits.device)
-            mask = tree_attention_mask(seen, verified, dtype)  # root at verified-1
-            logits = self._logits(level.tokens[None], last=False, position_ids=pos, attention_mask=mask)[0]
-            return fit_vocab(logits, self.vocab)  # [n, V] on the target's rows
+        def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):  # one row, the root at verified - 1
+            pos = torch.full((1, seen.shape[1]), verified - 1 + depth, device=dev)
+            return pos, tree_attention_mask(seen[0], verified, dtype)
 
-        grown = self.policy.grow(root_logits, expand)
+        grown = self._grow_tree(root_logits[None], at)
         self.cache.crop(verified - self.cache.get_seq_length())
         return grown.draft()
 

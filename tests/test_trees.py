@@ -138,12 +138,13 @@ def test_sd_tree_rows_equal_a_plain_forward(kind):
         def __getattr__(self, name):
             return getattr(self.policy, name)
 
-        def grow(self, root_logits, expand):
+        def grow_rows(self, root_logits, expand):  # (one tree: the batch-1 drafter's row 0)
             def rec(level):
                 logits = expand(level)
-                seen.append((level.nodes.tolist(), level.tokens.tolist(), level.parents.tolist(), logits.clone()))
+                seen.append((level.nodes[0].tolist(), level.tokens[0].tolist(), level.parents[0].tolist(),
+                             logits[0].clone()))
                 return logits
-            return self.policy.grow(root_logits, rec)
+            return self.policy.grow_rows(root_logits, rec)
 
     drafter.policy = Recording(drafter.policy)
     tokens = torch.tensor([[5, 17, 33, 17, 33, 9, 2, 40]])
