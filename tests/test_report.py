@@ -3,6 +3,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -275,6 +276,17 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     # each drafter's throughput / peak memory per B (memory '–' where the device reports none)
     use = next(line.split(" | ") for line in md.splitlines() if line.startswith("| pld (paper) | mtbench"))
     assert len(use) == 4 and all(re.fullmatch(r"\d+\.\d / (\d+\.\d\d|–)( \|)?", c) for c in use[2:]), use
+    # how long each batch waited for its slowest row: B = 1 has no batch; at B = 2 the run's forwards (each batch as
+    # long as its longest row) over its rows' mean steps, from the records
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("**How long a batch waits"))
+    waits = {tuple(w[:2]): w[2:] for w in (line.split(" | ") for line in lines[start:] if line.startswith("| "))}
+    recs = [r for run in exp.glob("*__pld__*") for r in read_jsonl(run / "records.jsonl") if r.get("batch")]
+    steps = {b: [r["steps"] for r in recs if r["batch"]["id"] == b] for b in {r["batch"]["id"] for r in recs}}
+    assert all(r["batch"]["steps"] == max(steps[r["batch"]["id"]]) for r in recs)
+    forwards = sum(map(max, steps.values()))
+    assert waits[("| pld (paper)", "mtbench")] == ["–", f"{forwards / sum(map(statistics.mean, steps.values())):.2f} |"]
+    assert waits[("| none", "mtbench")][0] == "–" and float(waits[("| none", "mtbench")][1].strip(" |")) >= 1.0
 
 
 def test_the_two_baselines_table(tmp_path, tiny_checkpoint):

@@ -138,7 +138,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
         head = ["method", "dataset", "tree"] + [f"B={b}" for b in sizes] + ["< 1.0x from B on", "predicted"]
-        rows, use_rows = [], []
+        rows, use_rows, wait_rows = [], [], []
         for ds in datasets:
             for d in drafters:
                 for variant in ("paper", "auto"):
@@ -154,6 +154,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                     use_rows.append([f"{d} ({variant})", ds] + [MISSING if r is None else
                                                                 f"{cell(r, 'speed')} / {cell(r, 'mem')}"
                                                                 for r in runs.values()])
+                    wait_rows.append([f"{d} ({variant})", ds] + [_wait(exp_dir, r) for r in runs.values()])
         base_head = ["dataset"] + [f"B={b}" for b in sizes]
         base_rows = []
         for ds in datasets:
@@ -162,6 +163,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
             base_rows.append([f"{ds}: throughput (tokens/s)"] + [cell(r, "speed") for r in bases.values()])
             base_rows.append([f"{ds}: peak memory (GiB)"] + [cell(r, "mem") for r in bases.values()])
             base_rows.append([f"{ds}: turns ≠ batch 1"] + [_differ(one, _token_ids(exp_dir, r)) for r in bases.values()])
+            wait_rows.append(["none", ds] + [_wait(exp_dir, r) for r in bases.values()])
         used = list(cells.values())
         caption = (f"Speedup (per-row τ) against the baseline at the same batch size B (decoding.batch_size: B questions "
                    f"decoded together, each row its own tree, one target forward verifying all rows; speed = the "
@@ -181,11 +183,30 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
             base_head, base_rows) + [""] + md_table(
             "Each drafter's throughput (tokens/s, summed over the batch's rows) / peak memory (GiB: the target, the "
             "drafter, their caches) per batch size; the baseline's are in the table above.",
-            ["method (tree)", "dataset"] + [f"B={b}" for b in sizes], use_rows)
+            ["method (tree)", "dataset"] + [f"B={b}" for b in sizes], use_rows) + [""] + md_table(
+            "How long a batch waits for its slowest row: the target forwards of the run's batches over their rows' "
+            "mean steps (summed over batches; 1.00: every row of a batch took as many steps). A batch decodes until "
+            "its last row is done, the rows that finished early leaving it, so a drafter whose rows accept unevenly "
+            "pays for its slowest row's τ, not its mean; the baseline's rows all take their budget's steps unless "
+            "one stops at EOS. A server that refills a finished row with the next request would not wait. B = 1: –.",
+            ["method (tree)", "dataset"] + [f"B={b}" for b in sizes], wait_rows)
         written.append(write_md(exp_dir / f"{table.name}.{stem}.md", md))
         if figure:
             figure_batch(cells, sizes, datasets[0] if datasets else None, exp_dir / f"batch.{stem}.png")
     return written
+
+
+def _wait(exp_dir: Path, run: dict | None) -> str:
+    """Σ over a run's batches of its target forwards / Σ of its rows' mean steps (records' `batch`), 'x.xx'; '–'
+    without a run or batch records (batch 1)."""
+    if run is None:
+        return MISSING
+    batches: dict[str, tuple[int, list[int]]] = {}
+    for r in read_jsonl(exp_dir / run["run"] / "records.jsonl"):
+        if r.get("batch"):
+            batches.setdefault(r["batch"]["id"], (r["batch"]["steps"], []))[1].append(r["steps"])
+    mean_steps = sum(sum(s) / len(s) for _, s in batches.values())
+    return f"{sum(b for b, _ in batches.values()) / mean_steps:.2f}" if mean_steps else MISSING
 
 
 def _unequal(run: dict) -> str:
