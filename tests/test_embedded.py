@@ -45,7 +45,7 @@ def table1_root(tmp_path_factory):
 def test_batch_one_still_decodes_the_committed_table1_records(drafter, table1_root):
     """Issue 48, item 1: batch 1 keeps its outputs. beagle_table1's first MT-Bench question (both turns) decoded again
     with the committed weights gives the committed records' tokens and tokens per step exactly, for the baseline, a
-    chain (pld) and the EAGLE head's dynamic tree (eagle2). (At 84f6693 sd_tree and medusa matched too, by hand; a
+    chain (pld) and the EAGLE head's dynamic tree (eagle2). (At 7db7dec sd_tree and medusa matched too, by hand; a
     drafter whose weights changed since its rows were decoded can only match once they are re-run.)"""
     register_schema()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
