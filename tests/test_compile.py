@@ -244,3 +244,21 @@ def test_a_compiled_tree_is_the_eager_tree(compiled, name):
     eager, region = trees(target_for()), trees(compiled)
     assert len(eager) == len(region) > 3
     assert all(torch.equal(e[0], c[0]) and torch.equal(e[1], c[1]) for e, c in zip(eager, region))
+
+
+@pytest.mark.parametrize("name", ["eagle2", "moa_tli1"])
+def test_a_generation_past_a_context_block_replays_its_graphs(compiled, name):
+    """Static caches and the regions' context reads come in blocks of STATIC_BLOCK positions: a generation that crosses
+    one builds the next block's graphs once. Decoding the same prompt again past the block recompiles nothing (every
+    shape it meets is warm), and both passes are the greedy output across the boundary. eagle2: the EAGLE family's
+    tree region; moa_tli1: three regions over two caches placed at different widths (beagle passed too, by hand, at
+    9996602)."""
+    from specbench.decode.compiled import STATIC_BLOCK
+
+    prompt = PROMPTS[1]
+    n = STATIC_BLOCK + 24 - len(prompt)  # new tokens: the context crosses into the second block
+    engine = Engine(compiled, make_drafter(name, compiled), SamplingParams())
+    first = engine.generate(prompt, n).new_tokens
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        second = engine.generate(prompt, n).new_tokens
+    assert len(first) == n and first == second == hf_greedy(compiled.model, prompt, n)
