@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from drafters.trees import DynamicTree, Level, StaticTree
-from specbench.bench.costmodel import DrafterCost, StepTrace, TargetCost, best_tree, kept_nodes, predicted_tau
+from specbench.bench.costmodel import (DrafterCost, StepTrace, TargetCost, best_tree, candidates, kept_nodes,
+                                      predicted_tau, timed_depths)
 from specbench.bench.report.main import report
 from specbench.bench.run import Runner
 from specbench.decode.tree import node_depths
+from specbench.errors import SpecbenchError
 
 V = 12
 TABLE = torch.randint(-3, 4, (V, V), generator=torch.Generator().manual_seed(0)).float()  # integer logits: ties
@@ -125,6 +127,21 @@ def test_at_batch_a_draft_cost_timed_at_that_batch_is_paid_once_per_step():
     assert (at1.depth, at8.depth) == (4, 4) and at8.speedup == pytest.approx(at1.speedup)
 
 
+def test_draft_times_between_the_measured_depths_are_linear():
+    """A policy 6 levels deep, its draft timed at depths 1, 4 and 6 (timed_depths): the others are read on the lines
+    between, and every depth is a candidate."""
+    assert timed_depths(6, 3) == [1, 4, 6] and timed_depths(3, 3) == [1, 2, 3] and timed_depths(6, 9) == list(range(1, 7))
+    assert timed_depths(1, 3) == [1] and timed_depths(8, 2) == [1, 8]
+    target, drafter = costs(0.0001)
+    drafter.base = {"kind": "dynamic", "depth": 6, "topk": 2, "total_tokens": 11}
+    drafter.draft = [[1, 1, 0.010], [4, 1, 0.040], [6, 1, 0.080], [1, 2, 0.020], [4, 2, 0.050], [6, 2, 0.090]]
+    assert drafter.draft_s(2, 1) == pytest.approx(0.020) and drafter.draft_s(5, 1) == pytest.approx(0.060)
+    assert drafter.draft_s(4, 2) == pytest.approx(0.050) and drafter.draft_s(3, 2) == pytest.approx(0.040)
+    assert {(d, k) for d, k, _ in candidates(drafter.base, drafter)} == {(d, k) for d in range(1, 7) for k in (1, 2)}
+    with pytest.raises(SpecbenchError, match="no draft time measured"):
+        drafter.draft_s(3, 4)
+
+
 @pytest.mark.slow
 def test_calibration_at_batch_times_the_rows_drafted_together():
     from specbench.bench.costmodel import calibrate_drafter
@@ -134,9 +151,13 @@ def test_calibration_at_batch_times_the_rows_drafted_together():
     base = {"kind": "dynamic", "depth": 3, "topk": 2, "total_tokens": 6}
     cost = calibrate_drafter(t, lambda tree: make_drafter("eagle2", t, *(f"tree.{k}={v}" for k, v in tree.items()
                                                                       if k != "kind")),
-                             base, PROMPTS, 12, [1], batch=3)
-    assert cost.batch == 3 and {(d, k) for d, k, _ in cost.draft} == {(d, k) for d in (1, 2, 3) for k in (1, 2)}
-    assert all(t > 0 for *_, t in cost.draft) and cost.trace
+                             base, PROMPTS, 12, [1], batch=3, depths=2)
+    # two depths timed per width (the first and the last), the middle one read between them
+    assert cost.batch == 3 and {(d, k) for d, k, _ in cost.draft} == {(d, k) for d in (1, 3) for k in (1, 2)}
+    assert all(t > 0 for *_, t in cost.draft) and cost.trace and cost.overhead_s is not None
+    for k in (1, 2):
+        assert min(cost.draft_s(1, k), cost.draft_s(3, k)) <= cost.draft_s(2, k) <= max(cost.draft_s(1, k),
+                                                                                        cost.draft_s(3, k))
 
 
 @pytest.mark.slow

@@ -11,10 +11,12 @@ policy tune their own drafts the same way (Drafter.own_tree: pld's and sd's chai
                   context (its prompts + half its new tokens), cache cropped back: median of `repeats` after a
                   warm-up; linear between Q's; and the prefill of the run's mean prompt
     t_draft(d, k) the drafter's draft time per step with its policy cut at depth d and top-k k (short decodes of the
-                  calibration prompts), times the context scale: the base tree's draft time per step on the run
-                  prompt nearest the run's mean length over that on a calibration prompt (a drafter attending over
-                  its context drafts slower behind a long prompt)
-    overhead      the engine's own time per step (wall - prefill - draft - verify) / steps; prefill per prompt
+                  calibration prompts) at `timed_depths` depths per k (the first, the last, evenly between), linear
+                  between them (a level is one forward of the drafter), times the context scale: the base tree's
+                  draft time per step on the run prompt nearest the run's mean length over that on a calibration
+                  prompt (a drafter attending over its context drafts slower behind a long prompt)
+    overhead      the engine's own time per step (wall - prefill - draft - verify) / steps, from the base tree's
+                  timing decode (the policy cut at its own depth and width is the base); prefill per prompt
                   (at decoding.batch_size B > 1, t_draft, overhead and prefill are the batch's: B calibration prompts
                   decoded together, every row drafted in the same forwards)
   acceptance (one traced decode of the calibration prompts with the base tree, Engine(trace=True)):
@@ -113,7 +115,8 @@ class TargetCost:
 @dataclass
 class DrafterCost:
     base: dict  # the base tree (conf/tree)
-    draft: list[list[float]]  # [depth, topk (0 = static), seconds per step] with the policy cut there
+    draft: list[list[float]]  # [depth, topk (0 = static), seconds per step] with the policy cut there: the measured
+    # depths (timed_depths of them per topk; every depth in files written before), the rest read by `draft_s`
     overhead_s: float  # per step, engine and drafter bookkeeping outside draft and verify
     prefill_s: float  # per prompt
     ar_overhead_s: float  # the baseline's per step, outside its one-token forward
@@ -122,6 +125,18 @@ class DrafterCost:
     # rows decoded together when draft, overhead and prefill were timed: at B > 1 they are the batch's per step (every
     # row drafted in the same forwards), not one row's (1: files written before batched drafting, or batch 1)
     batch: int = 1
+
+    def draft_s(self, depth: int, topk: int) -> float:
+        """The draft seconds per step at (depth, topk): measured, or linear between the measured depths of that topk
+        (each level of a tree policy is one drafter forward; tests/test_costmodel.py)."""
+        measured = sorted((int(d), s) for d, k, s in self.draft if int(k) == topk)
+        if not measured or not measured[0][0] <= depth <= measured[-1][0]:
+            raise SpecbenchError(f"cost model: no draft time measured around depth {depth}, top-k {topk} "
+                                 f"(measured: {[(d, int(k)) for d, k, _ in self.draft]})")
+        return float(np.interp(depth, *zip(*measured)))
+
+    def widths(self) -> list[int]:
+        return sorted({int(k) for _, k, _ in self.draft})
 
 
 @dataclass
@@ -144,7 +159,7 @@ def predict(target: TargetCost, drafter: DrafterCost, depth: int, topk: int, nod
     b = target.batch
     rows = 1 if drafter.batch == b else b  # how many times a calibrated per-step cost is paid per step
     tau = predicted_tau(trace, depth, nodes, topk or None)
-    draft = {(int(d), int(k)): t for d, k, t in drafter.draft}[(depth, topk)] * draft_scale
+    draft = drafter.draft_s(depth, topk) * draft_scale
     t_step = rows * draft + target.verify(nodes + 1) + rows * drafter.overhead_s
     # the run's prompt: the target's prefill at its length, plus what the drafter adds to a prefill (calibration)
     prefill = target.prefill_s + rows * max(0.0, drafter.prefill_s - drafter.ar_prefill_s)
@@ -154,11 +169,11 @@ def predict(target: TargetCost, drafter: DrafterCost, depth: int, topk: int, nod
 
 
 def candidates(base: dict, drafter: DrafterCost) -> list[tuple[int, int, int]]:
-    """(depth, topk, nodes) of the base policy whose draft time was measured; nodes from depth (a path reaching the
-    last level) to what that depth and top-k can hold, at most the base's."""
+    """(depth, topk, nodes) of the base policy: every depth up to the base's at each top-k whose draft time was
+    measured; nodes from depth (a path reaching the last level) to what that depth and top-k can hold, at most the
+    base's."""
     out = []
-    for d, k, _ in drafter.draft:
-        d, k = int(d), int(k)
+    for d, k in ((d, k) for k in drafter.widths() for d in range(1, base_depth(base) + 1)):
         most = (sum(len(p) <= d for p in base["paths"]) if k == 0  # a static list cut at depth d holds no more
                 else min(base_nodes(base), k + (d - 1) * k * k))
         out += [(d, k, n) for n in range(d, most + 1)]
@@ -268,15 +283,22 @@ def _batch_per_step(batch: BatchGeneration) -> tuple[float, float, float, int]:
             batch.prefill_s, batch.steps)
 
 
+def timed_depths(depth: int, count: int) -> list[int]:
+    """The depths of a policy `depth` levels deep whose draft time is measured: the first, the last and evenly
+    between, `count` in all (every depth when it has no more)."""
+    return sorted({round(float(d)) for d in np.linspace(1, depth, max(2, min(count, depth)))})
+
+
 def calibrate_drafter(target, make_drafter: Callable[[dict], Drafter], base: dict, prompts: list[list[int]],
-                      new_tokens: int, topks: list[int], batch: int = 1, ragged: bool = False) -> DrafterCost:
+                      new_tokens: int, topks: list[int], batch: int = 1, ragged: bool = False,
+                      depths: int = 3) -> DrafterCost:
     """The drafter's costs on this device. At batch B > 1 the draft, overhead and prefill are timed on B calibration
     prompts decoded together (the prompts repeated to B rows), as the run decodes; acceptance is traced at batch 1
-    either way (a row accepts what it accepts alone)."""
+    either way (a row accepts what it accepts alone). The draft time is measured at `depths` depths per top-k
+    (timed_depths); the base tree's own timing decode gives the overhead and prefill."""
     greedy = SamplingParams()
     Engine(target, make_drafter(base), greedy).generate(prompts[0], 8)  # warm-up
     traced = [Engine(target, make_drafter(base), greedy, trace=True).generate(p, new_tokens) for p in prompts]
-    _, overhead, prefill, _ = _per_step(traced)
     rows = [prompts[i % len(prompts)] for i in range(batch)]
 
     def per_step(drafter: Drafter, tokens: int) -> tuple[float, float, float, int]:
@@ -286,13 +308,17 @@ def calibrate_drafter(target, make_drafter: Callable[[dict], Drafter], base: dic
 
     if batch > 1 or ragged:
         Engine(target, make_drafter(base), greedy, ragged=ragged).generate_batch(rows, 8)  # warm-up at this B
-        _, overhead, prefill, _ = per_step(make_drafter(base), new_tokens)
-    widths = sorted({k for k in topks if k <= base["topk"]} | {base["topk"]}) if base["kind"] == "dynamic" else [0]
-    draft = []
+    dynamic = base["kind"] == "dynamic"
+    widths = sorted({k for k in topks if k <= base["topk"]} | {base["topk"]}) if dynamic else [0]
+    top, deepest = (base["topk"] if dynamic else 0), base_depth(base)
+    draft, overhead, prefill = [], None, None
     for k in widths:
-        for d in range(1, base_depth(base) + 1):  # the policy cut at depth d (all its nodes): its draft time
-            draft.append([d, k, per_step(make_drafter(concrete_tree(base, d, base_nodes(base), k)),
-                                         min(new_tokens, 24))[0]])
+        for d in timed_depths(deepest, depths):  # the policy cut at depth d (all its nodes): its draft time
+            t_draft, over, pre, _ = per_step(make_drafter(concrete_tree(base, d, base_nodes(base), k)),
+                                             min(new_tokens, 24))
+            draft.append([d, k, t_draft])
+            if (d, k) == (deepest, top):  # the cut that is the base tree itself
+                overhead, prefill = over, pre
     _, ar_over, ar_prefill, _ = per_step(NoDrafter(), min(new_tokens, 24))
     return DrafterCost(base, draft, overhead, prefill, ar_overhead_s=ar_over, ar_prefill_s=ar_prefill,
                        trace=[asdict(s) for g in traced for s in g.trace], batch=batch)
@@ -348,6 +374,7 @@ class AutoConfig:
     questions: int = 3
     new_tokens: int = 48
     topks: list[int] = field(default_factory=lambda: [1, 2, 4])  # widths tried besides the base's (dynamic)
+    timed_depths: int = 3  # depths whose draft time is measured per width (the rest linear between; timed_depths)
 
 
 def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter], drafter_key: dict,
@@ -376,7 +403,8 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
         key["draft_timed"] = "batch"
     dpath = cache_path(cache_root, target.device, model, target.dtype, drafter_key.get("name", "drafter"), key)
     dcost, dpath = cached(dpath, lambda: calibrate_drafter(target, make_drafter, base, prompts, auto.new_tokens,
-                                                          auto.topks, batch, ragged), DrafterCost)
+                                                          auto.topks, batch, ragged, auto.timed_depths),
+                          DrafterCost)
     typical = min(run_prompts, key=lambda p: abs(len(p) - prompt))  # the run prompt nearest the mean length
     spath = cache_path(cache_root, target.device, model, target.dtype, f"{drafter_key.get('name', 'drafter')}-context",
                        {**key, "run_prompt": typical})
