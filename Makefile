@@ -8,6 +8,8 @@ EXPERIMENT ?= beagle_table1
 PRESET   ?= cpu
 ARGS     ?=
 PERF_ARGS ?=
+# processes `make test` runs the suite on (pytest-xdist, whole files per worker; each worker's torch on one thread)
+TEST_WORKERS ?= 2
 # where runs are written and the tables read (out.root); a rehearsal or a scratch sweep points it elsewhere
 RESULTS  ?= results
 
@@ -31,10 +33,10 @@ setup: $(VENV)/.stamp
 
 # the authors' EAGLE environment too: tests/test_peer.py runs their EaModel against ours on a tiny target
 test: setup $(PEER_VENV)/.stamp
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 # The main job: an experiment (conf/experiment/$(EXPERIMENT).yaml, a Hydra sweep) on MODEL with a preset
 # (conf/preset/: cpu = the embedded default on 2 cores, paper = full sets for a GPU); the baseline (drafter=none) runs

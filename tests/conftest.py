@@ -3,9 +3,11 @@ full Runner can load from disk like any HF model, and Hydra configs composed fro
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hypothesis import HealthCheck, settings
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -15,6 +17,12 @@ from specbench.core.config import register_schema
 from tests.helpers import tiny_llama
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` (pytest-xdist): the cores shared out among the workers, so that
+    # N workers do not each run torch (and the processes a test starts) on every core
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 # property tests judged on their examples, not on how fast a loaded machine draws them: a CI host (or this one beside
 # a training job) once took 1.26 s for one tree and failed hypothesis' too_slow health check; no per-example deadline
