@@ -154,16 +154,17 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                     use_rows.append([f"{d} ({variant})", ds] + [MISSING if r is None else
                                                                 f"{cell(r, 'speed')} / {cell(r, 'mem')}"
                                                                 for r in runs.values()])
-                    wait_rows.append([f"{d} ({variant})", ds] + [_wait(exp_dir, r) for r in runs.values()])
+                    wait_rows.append([f"{d} ({variant})", ds] + [_wait(_records(exp_dir, r)) for r in runs.values()])
         base_head = ["dataset"] + [f"B={b}" for b in sizes]
         base_rows = []
         for ds in datasets:
             bases = {b: cells.get(("none", ds, "none", b, 0.0)) for b in sizes}
-            one = _token_ids(exp_dir, bases.get(1))
+            recs = {b: _records(exp_dir, r) for b, r in bases.items()}  # each baseline's records read once
+            one = _token_ids(recs.get(1))
             base_rows.append([f"{ds}: throughput (tokens/s)"] + [cell(r, "speed") for r in bases.values()])
             base_rows.append([f"{ds}: peak memory (GiB)"] + [cell(r, "mem") for r in bases.values()])
-            base_rows.append([f"{ds}: turns ≠ batch 1"] + [_differ(one, _token_ids(exp_dir, r)) for r in bases.values()])
-            wait_rows.append(["none", ds] + [_wait(exp_dir, r) for r in bases.values()])
+            base_rows.append([f"{ds}: turns ≠ batch 1"] + [_differ(one, _token_ids(r)) for r in recs.values()])
+            wait_rows.append(["none", ds] + [_wait(r) for r in recs.values()])
         used = list(cells.values())
         caption = (f"Speedup (per-row τ) against the baseline at the same batch size B (decoding.batch_size: B questions "
                    f"decoded together, each row its own tree, one target forward verifying all rows; speed = the "
@@ -196,13 +197,18 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
     return written
 
 
-def _wait(exp_dir: Path, run: dict | None) -> str:
+def _records(exp_dir: Path, run: dict | None) -> list[dict] | None:
+    """A run's records (None: no run)."""
+    return None if run is None else read_jsonl(exp_dir / run["run"] / "records.jsonl")
+
+
+def _wait(records: list[dict] | None) -> str:
     """Σ over a run's batches of its target forwards / Σ of its rows' mean steps (records' `batch`), 'x.xx'; '–'
     without a run or batch records (batch 1)."""
-    if run is None:
+    if records is None:
         return MISSING
     batches: dict[str, tuple[int, list[int]]] = {}
-    for r in read_jsonl(exp_dir / run["run"] / "records.jsonl"):
+    for r in records:
         if r.get("batch"):
             batches.setdefault(r["batch"]["id"], (r["batch"]["steps"], []))[1].append(r["steps"])
     mean_steps = sum(sum(s) / len(s) for _, s in batches.values())
@@ -216,12 +222,16 @@ def _unequal(run: dict) -> str:
     return f" ≠{k}/{n}" if k else ""
 
 
-def _token_ids(exp_dir: Path, run: dict | None) -> dict | None:
+def _token_ids(records: list[dict] | None) -> dict | None:
     """A run's output per (question, turn, repeat), from its records."""
-    if run is None:
+    if records is None:
         return None
-    return {(r["question_id"], r["turn"], r["repeat"]): r["new_token_ids"]
-            for r in read_jsonl(exp_dir / run["run"] / "records.jsonl")}
+    return {(r["question_id"], r["turn"], r["repeat"]): r["new_token_ids"] for r in records}
+
+
+def _differ_runs(exp_dir: Path, one: dict | None, other: dict | None) -> str:
+    """_differ of two runs' outputs, from their records."""
+    return _differ(_token_ids(_records(exp_dir, one)), _token_ids(_records(exp_dir, other)))
 
 
 def _differ(one: dict | None, other: dict | None) -> str:
@@ -260,8 +270,7 @@ def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
                 runs = {d: (cells.get((d, ds, False, temp, kind)), cells.get((d, ds, True, temp, "static")))
                         for d in ["none", *drafters]}
                 base_e, base_c = runs["none"]
-                rows.append(["none (tokens/s)", label, "", "", _differ(_token_ids(exp_dir, base_e),
-                                                                       _token_ids(exp_dir, base_c)) if temp == 0 else "",
+                rows.append(["none (tokens/s)", label, "", "", _differ_runs(exp_dir, base_e, base_c) if temp == 0 else "",
                              cell(base_e, "speed"), cell(base_c, "speed"), "", ""])
                 for d in drafters:
                     e, c = runs[d]
@@ -270,7 +279,7 @@ def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
                     spu_c = value(c, "spu")
                     kept = spu_c / value(e, "spu") if spu_c and value(e, "spu") else None
                     rows.append([d, label, cell(e, "tau"), cell(c, "tau"),
-                                 _differ(_token_ids(exp_dir, e), _token_ids(exp_dir, c)) if temp == 0 else "",
+                                 _differ_runs(exp_dir, e, c) if temp == 0 else "",
                                  cell(e, "spu"), cell(c, "spu"),
                                  MISSING if cross is None else f"{cross:.2f}x", MISSING if kept is None else f"{kept:.0%}"])
         used = list(cells.values())
