@@ -8,7 +8,7 @@ EXPERIMENT ?= beagle_table1
 PRESET   ?= cpu
 ARGS     ?=
 PERF_ARGS ?=
-# processes `make test` runs the suite on (pytest-xdist, whole files per worker; each worker's torch on one thread)
+# processes `make test` runs the suite on (pytest-xdist, whole files per worker; the cores shared out among them)
 TEST_WORKERS ?= 2
 # where runs are written and the tables read (out.root); a rehearsal or a scratch sweep points it elsewhere
 RESULTS  ?= results

@@ -20,7 +20,8 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` (pytest-xdist): the cores shared out among the workers, so that
     # N workers do not each run torch (and the processes a test starts) on every core
-    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # (macOS)
+    _threads = max(1, _cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     torch.set_num_threads(_threads)
     os.environ["OMP_NUM_THREADS"] = str(_threads)
 
