@@ -189,7 +189,10 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
             "mean steps (summed over batches; 1.00: every row of a batch took as many steps). A batch decodes until "
             "its last row is done, the rows that finished early leaving it, so a drafter whose rows accept unevenly "
             "pays for its slowest row's τ, not its mean; the baseline's rows all take their budget's steps unless "
-            "one stops at EOS. A server that refills a finished row with the next request would not wait. B = 1: –.",
+            "one stops at EOS. A server that refills a finished row with the next request would not wait. In "
+            "parentheses: the ratio expected if each batch held any B of the run's turns, each taking the steps it "
+            "took (the largest of B of them over their mean): the part of the wait that the questions' spread in "
+            "acceptance explains, without any step-to-step noise. B = 1: –.",
             ["method (tree)", "dataset"] + [f"B={b}" for b in sizes], wait_rows)
         written.append(write_md(exp_dir / f"{table.name}.{stem}.md", md))
         if figure:
@@ -203,7 +206,8 @@ def _records(exp_dir: Path, run: dict | None) -> list[dict] | None:
 
 
 def _wait(records: list[dict] | None) -> str:
-    """Σ over a run's batches of its target forwards / Σ of its rows' mean steps (records' `batch`), 'x.xx'; '–'
+    """Σ over a run's batches of its target forwards / Σ of its rows' mean steps (records' `batch`), and in
+    parentheses the same ratio expected from the spread of its turns' steps alone (_spread_wait), 'x.xx (y.yy)'; '–'
     without a run or batch records (batch 1)."""
     if records is None:
         return MISSING
@@ -212,7 +216,20 @@ def _wait(records: list[dict] | None) -> str:
         if r.get("batch"):
             batches.setdefault(r["batch"]["id"], (r["batch"]["steps"], []))[1].append(r["steps"])
     mean_steps = sum(sum(s) / len(s) for _, s in batches.values())
-    return f"{sum(b for b, _ in batches.values()) / mean_steps:.2f}" if mean_steps else MISSING
+    if not mean_steps:
+        return MISSING
+    size = max(r["batch"]["size"] for r in records if r.get("batch"))
+    return (f"{sum(b for b, _ in batches.values()) / mean_steps:.2f} "
+            f"({_spread_wait([s for _, rows in batches.values() for s in rows], size):.2f})")
+
+
+def _spread_wait(steps: list[int], b: int) -> float:
+    """E[the most steps among b turns drawn at random from `steps`] / their mean: the wait a batch of b rows would
+    show if it held any b of the run's turns, each taking the steps it took. Exact over draws with replacement: the
+    i-th smallest of n is the largest of b draws with probability (i/n)^b - ((i-1)/n)^b."""
+    s, n = sorted(steps), len(steps)
+    top = sum(v * ((i / n) ** b - ((i - 1) / n) ** b) for i, v in enumerate(s, 1))
+    return top / (sum(s) / n)
 
 
 def _unequal(run: dict) -> str:
