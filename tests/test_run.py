@@ -1,6 +1,7 @@
 """The Hydra run on a tiny checkpoint: records, resume, no mixing of configs, lossless check, and bad input."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,23 @@ def test_drafter_run_is_lossless_against_the_baseline_of_the_same_job(make_cfg, 
     assert summary["tau_micro"] > 1.0
     if drafter == "sd":  # chain drafts: Leviathan's prediction is reported next to the measured speedup
         assert summary["leviathan"]["predicted_improvement"] > 0
+
+
+def test_a_baseline_timed_in_another_sitting_is_named_and_recorded(make_cfg, caplog):
+    """A drafter run whose baseline was timed earlier (a committed one, skipped): the speedup mixes two sittings of a
+    host whose speed drifts (this CPU ran one baseline at 20 and 10 tok/s on two days). The run says so in one warning
+    and records the baseline's date and commit in its run.json; a baseline timed in the same job is recorded too."""
+    fresh = Runner(make_cfg("drafter=pld")).execute()
+    head = json.loads((fresh.path / "run.json").read_text())
+    base = fresh.path.parent / head["baseline"]["run"]
+    assert head["baseline"]["commit"] == json.loads((base / "run.json").read_text())["git"]["commit"]
+    assert "timed" not in caplog.text
+    meta = json.loads((base / "run.json").read_text())
+    (base / "run.json").write_text(json.dumps({**meta, "date": "2026-01-01T00:00:00+00:00"}))
+    shutil.rmtree(fresh.path)  # the drafter's run again, its baseline kept (as a committed one is)
+    later = Runner(make_cfg("drafter=pld")).execute()
+    assert json.loads((later.path / "run.json").read_text())["baseline"]["date"] == "2026-01-01T00:00:00+00:00"
+    assert "against a baseline timed" in caplog.text and "delete" in caplog.text
 
 
 def test_resume_after_interruption_redoes_nothing_and_duplicates_nothing(make_cfg):

@@ -8,6 +8,7 @@ import logging
 import sys
 import zlib
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import hydra
@@ -156,6 +157,19 @@ def model_digest(model_path: str) -> str:
             h.update(f.name.encode())
             h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:16]
+
+
+BASELINE_STALE_HOURS = 6.0  # a baseline timed longer before its drafter's run than this is named (the host drifts)
+
+
+def baseline_timing(baseline: RunDir) -> dict | None:
+    """When and at which commit a baseline run was timed, and how many hours before now (None: no run.json yet)."""
+    if not baseline.run_json.is_file():
+        return None
+    head = json.loads(baseline.run_json.read_text())
+    then = datetime.fromisoformat(head["date"])
+    return {"run": baseline.path.name, "date": head["date"], "commit": (head.get("git") or {}).get("commit") or "",
+            "hours_before": (datetime.now(timezone.utc) - then).total_seconds() / 3600}
 
 
 class Runner:
@@ -317,6 +331,11 @@ class Runner:
             torch.manual_seed(self.cfg.seed)  # untrained modules (a test's) are built from the run's seed
             drafter = self.make_drafter(node)
         drafter = drafter if todo else None
+        timed = baseline_timing(baseline) if todo and baseline is not None else None
+        if timed is not None and timed["hours_before"] > BASELINE_STALE_HOURS:
+            log.warning("%s: its speedup is against a baseline timed %.0f h ago (%s, %s); the host's speed drifts "
+                        "between sittings: delete %s to time it again in this one", run_dir.path.name,
+                        timed["hours_before"], timed["date"], timed["commit"][:7], baseline.path)
         if not run_dir.exists():
             atomic_write_json(run_dir.run_json, {
                 "run": run_dir.path.name,
@@ -332,6 +351,8 @@ class Runner:
                 # a tree the drafter resolved itself (Medusa's `auto`: its accuracies' tree, or mc_sim_7b_63 for
                 # published heads), for the captions
                 **({"tree_used": drafter.tree_used} if getattr(drafter, "tree_used", None) else {}),
+                # the baseline its speedup is against: when and at which commit that one was timed
+                **({"baseline": {k: timed[k] for k in ("run", "date", "commit")}} if timed is not None else {}),
             })
         if todo:
             engine = Engine(self.target, drafter, self.decoding.sampling(), ragged=self.decoding.ragged)
