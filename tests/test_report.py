@@ -294,23 +294,25 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
 
 
 def test_the_two_baselines_table(tmp_path, tiny_checkpoint):
-    """conf/experiment/two_baselines.yaml narrowed to pld, one question: eager and compiled runs each against their own
-    baseline, τ side by side (the same tokens), the cross ratio and the share of the speedup kept."""
+    """conf/experiment/two_baselines.yaml narrowed to pld, two questions, at B = 1 and 2: eager and compiled runs each
+    against their own baseline at their B, τ side by side (the same tokens), the cross ratio and the share of the
+    speedup kept, a row per B."""
     args = [sys.executable, "-m", "specbench.run", "-m", "+experiment=two_baselines", "+preset=cpu",
-            f"model.path={tiny_checkpoint}", "model.name=tiny", "drafter=none,pld", "dataset.limit=1",
-            "decoding.max_new_tokens=8", "bench.warmup=1", f"out.root={tmp_path / 'results'}"]
+            f"model.path={tiny_checkpoint}", "model.name=tiny", "drafter=none,pld", "dataset.limit=2",
+            "decoding.batch_size=1,2", "decoding.max_new_tokens=8", "bench.warmup=1", f"out.root={tmp_path / 'results'}"]
     res = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     exp = tmp_path / "results" / "two_baselines"
-    assert len(list(exp.glob("*__none__*"))) == 2  # an eager and a compiled baseline
+    assert len(list(exp.glob("*__none__*"))) == 4  # an eager and a compiled baseline per B
     report(tmp_path / "results")
     md = (exp / "baselines.tiny.md").read_text()
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
-    pld = rows["pld"]
-    assert pld[2] == pld[3] and pld[4] == "0 / 2"  # the same tokens eager and compiled, both turns
-    assert all(c.endswith("x") for c in pld[5:8]) and pld[8].endswith("% |")
-    assert rows["none (tokens/s)"][5] != "–" and rows["none (tokens/s)"][6] != "–"
+    rows = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
+    for label in ("mtbench", "mtbench, B=2"):
+        pld = rows[("| pld", label)]
+        assert pld[2] == pld[3] and pld[4] == "0 / 4"  # the same tokens eager and compiled, every turn
+        assert all(c.endswith("x") for c in pld[5:8]) and pld[8].endswith("% |")
+        assert rows[("| none (tokens/s)", label)][5] != "–" and rows[("| none (tokens/s)", label)][6] != "–"
     for run in exp.glob("*__pld__*"):
         recs = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
         assert all(r["matches_baseline"] for r in recs)  # lossless against its own baseline, compiled or not

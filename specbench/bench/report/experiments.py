@@ -260,31 +260,35 @@ def _differ(one: dict | None, other: dict | None) -> str:
 
 def compiled_key(summary: dict, head: dict) -> tuple:
     """The two_baselines table's cell: (drafter, dataset, compiled or not, temperature, cache kind: model.cache, or
-    `static` when compiled), so that runs of another temperature or cache never overwrite one another."""
+    `static` when compiled, batch size B), so that runs of another temperature, cache or B never overwrite one
+    another."""
     compiled = bool((head.get("model_identity") or {}).get("compile"))
     cache = "static" if compiled else head["config"]["model"].get("cache", "dynamic")
-    return summary["drafter"], summary["dataset"], compiled, float(summary["temperature"]), cache
+    batch = int(head["config"]["decoding"].get("batch_size", 1))
+    return summary["drafter"], summary["dataset"], compiled, float(summary["temperature"]), cache, batch
 
 
 def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
     """Each drafter's speedup against the eager baseline (the papers' comparison) and against the compiled one
     (model.compile: a baseline with less overhead per step), τ of both runs side by side with the turns whose tokens
     differ between them (compiled kernels may round differently: τ then differs too, and 'speedup kept' mixes the two),
-    and the share of the eager speedup that survives the compiled baseline. conf/experiment/two_baselines.yaml."""
-    by_setting = load_runs(exp_dir, compiled_key)
+    and the share of the eager speedup that survives the compiled baseline, per batch size B (decoding.batch_size:
+    each B's drafters against that B's baselines). conf/experiment/two_baselines.yaml."""
+    by_setting = load_runs(exp_dir, compiled_key, batched=True)
     written = []
     for setting, cells in sorted(by_setting.items()):
         present = {k[1] for k in cells}
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
-        variants = sorted({(k[3], k[4]) for k in cells if not k[2]})  # (temperature, eager cache)
+        variants = sorted({(k[3], k[4], k[5]) for k in cells if not k[2]})  # (temperature, eager cache, B)
         head = ["method", "dataset", "τ eager", "τ compiled", "turns ≠ (eager vs compiled)", "eager vs eager baseline",
                 "compiled vs compiled baseline", "eager vs compiled baseline", "speedup kept"]
         rows = []
         for ds in datasets:
-            for temp, kind in variants:
-                label = ds if variants == [(0.0, "dynamic")] else f"{ds} (T={temp:g}, eager: {kind} cache)"
-                runs = {d: (cells.get((d, ds, False, temp, kind)), cells.get((d, ds, True, temp, "static")))
+            for temp, kind, b in variants:
+                label = (ds if {(t, k) for t, k, _ in variants} == {(0.0, "dynamic")}
+                         else f"{ds} (T={temp:g}, eager: {kind} cache)") + (f", B={b}" if b > 1 else "")
+                runs = {d: (cells.get((d, ds, False, temp, kind, b)), cells.get((d, ds, True, temp, "static", b)))
                         for d in ["none", *drafters]}
                 base_e, base_c = runs["none"]
                 rows.append(["none (tokens/s)", label, "", "", _differ_runs(exp_dir, base_e, base_c) if temp == 0 else "",
@@ -305,7 +309,8 @@ def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
                    f"through torch.compile over a static cache, CUDA graphs on a GPU; EAGLE's head and sd's draft "
                    f"model compiled the same way, the other drafters' modules eager). 'turns ≠': T=0 turns whose "
                    f"tokens differ between the eager and the compiled run (where any do, τ may differ and 'speedup "
-                   f"kept' mixes τ with speed). 'speedup kept': compiled-vs-compiled over eager-vs-eager. "
+                   f"kept' mixes τ with speed). 'speedup kept': compiled-vs-compiled over eager-vs-eager. 'B=b': "
+                   f"b questions decoded together (decoding.batch_size), against both baselines at the same b. "
                    f"{provenance(used) if used else 'no runs'}.")
         md = md_table(caption, head, rows)
         written.append(write_md(exp_dir / f"{table.name}.{file_stem(setting, by_setting)}.md", md))
