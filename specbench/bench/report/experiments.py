@@ -3,7 +3,7 @@ two_baselines and the Spec-Bench board."""
 from __future__ import annotations
 
 from pathlib import Path
-from specbench.core.records import read_jsonl
+from specbench.core.records import RunDir, read_jsonl
 from specbench.bench.report.cells import (
     MISSING, below_one, cell, file_stem, load_runs, md_table, provenance, tree_key, tree_of, value, write_md)
 from specbench.bench.report.tables import AutoTable, BaselinesTable, BatchTable, BoardTable, VocabTable
@@ -202,7 +202,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
 
 def _records(exp_dir: Path, run: dict | None) -> list[dict] | None:
     """A run's records (None: no run)."""
-    return None if run is None else read_jsonl(exp_dir / run["run"] / "records.jsonl")
+    return None if run is None else RunDir(exp_dir / run["run"]).records()
 
 
 def _wait(records: list[dict] | None) -> str:
