@@ -46,6 +46,7 @@ from drafters.layers import CrossAttentionBlock, layers_config
 from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
 from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
 from specbench.decode.kvcache import StaticCache
+from specbench.decode.rows import RowCounts
 from specbench.decode.tree import batch_tree_mask, in_block, up_to_start, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
@@ -107,7 +108,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         self.target = target
         self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
         self.kv = None  # K, V [A, nkv, L, dh]: true states, then (while drafting) predicted ones
-        self.verified = [0]  # true states in the cache, per batch row
+        self.verified = RowCounts((0,))  # true states in the cache, per batch row
         self.ragged = False  # a batch's ragged rows: the K/V layer in ragged rows
         # (true states not yet in the cache [A, n, H], each row's count of them: host [A] and device [A])
         self.pending: tuple[torch.Tensor, list[int] | None, torch.Tensor | None] | None = None
@@ -202,10 +203,9 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
             self.static = self.target.drafter_cache(layers_config(self.target), state.cache_positions, self.block,
                                                     ragged=True, rows=state.rows)
             self.kv = self.static.layers[0]
-        self.verified = [0] * state.rows  # true states in the cache, per row
-        self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
+        self.verified = RowCounts.zeros(state.rows, self.device)  # true states in the cache, per row
         # true states of positions 0 .. L-1 (row b's first fresh[b]); the root t_L has none yet
-        self.pending = (state.hidden, state.fresh, state.fresh_t)
+        self.pending = (state.hidden, state.fresh)
 
     def _append(self, states: torch.Tensor, pos: torch.Tensor) -> None:
         k, v = self.block.keys(states.to(self.block.q_proj.weight.dtype), pos)
@@ -221,28 +221,26 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         """Rows seeing each row's verified states and the drafted slots seen [A, R, S] behind them."""
         if not self.ragged:
             return visible(seen[0], self.verified[0])  # [1, 1, R, V+S] bool
-        width = max(self.verified) + seen.shape[-1]
-        return batch_tree_mask(seen, self.verified_t, width, self.block.q_proj.weight.dtype)  # [A, 1, R, W]
+        width = self.verified.max() + seen.shape[-1]
+        return batch_tree_mask(seen, self.verified.dev, width, self.block.q_proj.weight.dtype)  # [A, 1, R, W]
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
         root_tok = state.tokens.gather(1, state.num_tokens_rows()[:, None] - 1)  # [A, 1] the last verified token
         if self.static is not None:
             return self._propose_static(root_tok)
-        states, fresh, fresh_t = self.pending
+        states, fresh = self.pending
         a, n = states.shape[:2]
         dev = self.device
         if self.ragged:
-            self.kv.set_row_lengths(self.verified, self.verified_t)
-        self._append(states, self.verified_t[:, None] + torch.arange(n, device=dev))
+            self.kv.set_row_lengths(self.verified)
+        self._append(states, self.verified.dev[:, None] + torch.arange(n, device=dev))
         if self.ragged:  # (a row's padding states: stale)
-            self.verified = [v + k for v, k in zip(self.verified, fresh)]
-            self.verified_t = self.verified_t + fresh_t
-            self.kv.set_row_lengths(self.verified, self.verified_t)
+            self.verified = self.verified + fresh
+            self.kv.set_row_lengths(self.verified)
         else:
-            self.verified = [self.verified[0] + n]
-            self.verified_t = self.verified_t + n
-        root_pos = self.verified_t  # [A] each root token's position
+            self.verified = self.verified + n
+        root_pos = self.verified.dev  # [A] each root token's position
 
         def level(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
             p = (root_pos + depth)[:, None].expand(a, tokens.shape[1])
@@ -254,7 +252,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
 
         grown = self._grow(root_tok, level, vector=not self.ragged)
         if self.ragged:  # drop drafted states
-            self.kv.set_row_lengths(self.verified, self.verified_t)
+            self.kv.set_row_lengths(self.verified)
         else:
             self.kv.crop(self.verified[0] - self.kv.get_seq_length())
         return grown.draft()
@@ -263,22 +261,21 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         """model.compile: the new true states' K, V written on the static cache's whole bucket of rows (compiled once
         the cache holds the prompt's: their count padded to a bucket, the padding states written past each row's own,
         stale), then the tree as one compiled region (CompiledTree). Rows ragged at any batch."""
-        states, fresh, fresh_t = self.pending
+        states, fresh = self.pending
         static, (a, n) = self.static, states.shape[:2]
         if not self.ragged:  # one row: every state is fresh
-            fresh, fresh_t = [n], torch.full((1,), n, dtype=torch.long, device=self.device)
-        self.kv.set_row_lengths(self.verified, self.verified_t)
+            fresh = RowCounts((n,), torch.full((1,), n, dtype=torch.long, device=self.device))
+        self.kv.set_row_lengths(self.verified)
         prefill = static.get_seq_length() == 0  # (the prompt's states: eager)
         q = step_rows(n, prefill)
         static.begin(q, STATIC_BLOCK)  # each row's states behind its own verified ones
-        self._appends(static, prefill, pad_rows(states, static.batch, q), pad_rows(self.verified_t, static.batch))
-        self.verified = [v + k for v, k in zip(self.verified, fresh)]
-        self.verified_t = self.verified_t + fresh_t
-        self.kv.set_row_lengths(self.verified, self.verified_t)
+        self._appends(static, prefill, pad_rows(states, static.batch, q), pad_rows(self.verified.dev, static.batch))
+        self.verified = self.verified + fresh
+        self.kv.set_row_lengths(self.verified)
         # the drafted entries ("concate"): the root's and one per node fed to `expand`; none without
         entries = 1 + self.policy.expanded(self.lm_head.weight.shape[0]) if self.concat else 0
         return self.region.grow(static, self.policy, self.lm_head.weight.shape[0], self._grow_laid_out, root_tok,
-                                self.verified_t, entries)
+                                self.verified.dev, entries)
 
     def _append_at(self, states: torch.Tensor, prefixes: torch.Tensor) -> None:
         """states [P, Q, H] behind each row's `prefixes` [P] verified ones, written at the static cache's offsets."""
@@ -322,10 +319,9 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         return self._grow(root_tok, level)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        self.pending = (state.hidden, state.fresh, state.fresh_t)  # true states of the root and the accepted path
+        self.pending = (state.hidden, state.fresh)  # true states of the root and the accepted path
 
     def keep_rows(self, leave) -> None:
-        self.verified = [self.verified[i] for i in leave.index]
-        self.verified_t = self.verified_t.index_select(0, leave.index_t)
+        self.verified = self.verified.keep(leave)
         self.kv.move_rows(leave.src, leave.dst, len(leave.index))
-        self.kv.set_row_lengths(self.verified, self.verified_t)
+        self.kv.set_row_lengths(self.verified)

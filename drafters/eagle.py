@@ -46,6 +46,7 @@ from drafters.trees import CompiledTree, GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import decode
 from specbench.decode.kvcache import StaticCache
+from specbench.decode.rows import RowCounts
 from specbench.errors import SpecbenchError
 from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -158,7 +159,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.vocab = self.pruned_head(target, checkpoint, module or {})
         self.cache: DynamicCache | None = None
-        self.verified = [0]  # pairs of verified tokens in the head's cache, per batch row
+        self.verified = RowCounts((0,))  # pairs of verified tokens in the head's cache, per batch row
         self.ragged = False  # a batch's ragged rows (prefill_rows with several): the head's cache in ragged rows
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (features [B,n,H], next tokens [B,n])
         self.region = CompiledTree()  # model.compile: the tree's growth, compiled
@@ -238,11 +239,10 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
         config = self.head.body.config
         self.cache = self.target.drafter_cache(config, state.cache_positions, self.head.body, ragged=self.ragged,
                                                rows=state.rows)
-        self.verified = [0] * state.rows  # pairs of verified tokens in the head's cache, per row
-        self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
+        # pairs of verified tokens in the head's cache, per row (a lone row: on the host only)
+        self.verified = RowCounts.zeros(state.rows, self.device) if self.ragged else RowCounts((0,) * state.rows)
         # pairs (f_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]
-        self.pending = (state.hidden, state.fresh_tokens() if self.ragged else state.tokens[:, 1:],
-                        state.fresh, state.fresh_t)
+        self.pending = (state.hidden, state.fresh_tokens() if self.ragged else state.tokens[:, 1:], state.fresh)
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
         if self.vocab is not None:  # module.draft_vocab: the LM head's N frequent rows only
@@ -251,7 +251,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
-        feats, toks, fresh, fresh_t = self.pending
+        feats, toks, fresh = self.pending
         a, n = toks.shape
         dev = self.device
         if not self.ragged:
@@ -259,20 +259,20 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
             pos = torch.arange(v, v + n, device=dev)[None]
             out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos)
             root_f = out[:, -1]  # [1, H]
-            self.verified = [v + n]
+            self.verified = self.verified + n
         else:  # row b's pairs at positions verified[b] + j, j < fresh[b], causal among themselves
-            self.cache.set_row_lengths(self.verified, self.verified_t)
-            pos = self.verified_t[:, None] + torch.arange(n, device=dev)
+            verified = self.verified.dev
+            self.cache.set_row_lengths(self.verified)
+            pos = verified[:, None] + torch.arange(n, device=dev)
             causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(a, n, n)
-            mask = batch_tree_mask(causal, self.verified_t, max(self.verified) + n, feats.dtype)
+            mask = batch_tree_mask(causal, verified, self.verified.max() + n, feats.dtype)
             out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos,
                             attention_mask=mask)  # [A, n, H]
-            root_f = out.gather(1, (fresh_t - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [A, H]
-            self.verified = [v + k for v, k in zip(self.verified, fresh)]
-            self.verified_t = self.verified_t + fresh_t
-            self.cache.set_row_lengths(self.verified, self.verified_t)  # (a row's padding pairs: stale)
+            root_f = out.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [A, H]
+            self.verified = self.verified + fresh
+            self.cache.set_row_lengths(self.verified)  # (a row's padding pairs: stale)
         if isinstance(self.cache, StaticCache) and self.traceable:  # model.compile: the tree one compiled region
-            prefixes = self.verified_t if self.ragged else torch.full((a,), self.verified[0], device=dev)
+            prefixes = self.verified.dev if self.ragged else torch.full((a,), self.verified[0], device=dev)
             return self.region.grow(self.cache, self.policy, self.lm_head.weight.shape[0], self._grow_laid_out,
                                     root_f, prefixes)
         if not self.ragged:
@@ -286,11 +286,11 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
             root_logits = self._logits(root_f)
 
             def at(seen, depth, dtype):
-                return ((self.verified_t + depth - 1)[:, None].expand(a, seen.shape[1]),
-                        batch_tree_mask(seen, self.verified_t, max(self.verified) + seen.shape[-1], dtype))
+                return ((self.verified.dev + depth - 1)[:, None].expand(a, seen.shape[1]),
+                        batch_tree_mask(seen, self.verified.dev, self.verified.max() + seen.shape[-1], dtype))
         grown = self._grow(root_f, root_logits, at)
         if self.ragged:  # drop the drafted entries
-            self.cache.set_row_lengths(self.verified, self.verified_t)
+            self.cache.set_row_lengths(self.verified)
         else:
             self.cache.crop(self.verified[0] - self.cache.get_seq_length())
         return grown.draft()
@@ -323,10 +323,8 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})
         n = state.hidden.shape[1]
-        self.pending = (state.hidden, state.fresh_tokens() if self.ragged else state.tokens[:, -n:], state.fresh,
-                        state.fresh_t)
+        self.pending = (state.hidden, state.fresh_tokens() if self.ragged else state.tokens[:, -n:], state.fresh)
 
     def keep_rows(self, leave) -> None:
-        self.verified = [self.verified[i] for i in leave.index]
-        self.verified_t = self.verified_t.index_select(0, leave.index_t)
-        self.cache.leave(leave.src, leave.dst, len(leave.index), self.verified, self.verified_t)
+        self.verified = self.verified.keep(leave)
+        self.cache.leave(leave.src, leave.dst, len(leave.index), self.verified)

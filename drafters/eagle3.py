@@ -57,6 +57,7 @@ from specbench.decode.checkpoints import copy_state, read_state, resolve, weight
 from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
 from specbench.decode.drafter import LAYERS, RowsDrafter, TrainableDrafter
 from specbench.decode.kvcache import StaticCache
+from specbench.decode.rows import RowCounts
 from specbench.errors import SpecbenchError
 from specbench.decode.tree import batch_tree_mask, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -375,8 +376,8 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         self.target, self.embed, self.device = target, target.decoder.embed_tokens, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.past: CacheLayerMixin | None = None  # the head's K, V over verified pairs (prefill makes it)
-        self.pending: tuple | None = None  # (fused features [B,n,3H], next tokens [B,n], fresh, fresh_t)
-        self.verified: list[int] = [0]  # pairs of verified tokens in `past`, per batch row
+        self.pending: tuple | None = None  # (fused features [B,n,3H], next tokens [B,n], fresh)
+        self.verified = RowCounts((0,))  # pairs of verified tokens in `past`, per batch row
         self.ragged = False  # a batch's ragged rows (prefill_rows with several)
         self.static: StaticCache | None = None  # model.compile: the static cache whose one layer is `past`
         self.region = CompiledTree()  # and the tree's growth, compiled
@@ -487,51 +488,47 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
             self.static = self.target.drafter_cache(self.head.config, state.cache_positions, self.head.midlayer,
                                                     ragged=True, rows=state.rows)
             self.past = self.static.layers[0]
-        self.verified = [0] * state.rows
-        self.verified_t = torch.zeros(state.rows, dtype=torch.long, device=self.device)
+        self.verified = RowCounts.zeros(state.rows, self.device)
         # pairs (features_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]
-        self.pending = (state.layers, state.fresh_tokens() if self.ragged else state.tokens[:, 1:], state.fresh,
-                        state.fresh_t)
+        self.pending = (state.layers, state.fresh_tokens() if self.ragged else state.tokens[:, 1:], state.fresh)
 
     def _mask(self, seen: torch.Tensor) -> torch.Tensor:
         """Rows seeing each row's verified pairs and the new slots seen [A, Q, S] behind them."""
         if not self.ragged:
             return visible(seen[0], self.verified[0])
-        width = max(self.verified) + seen.shape[-1]
-        return batch_tree_mask(seen, self.verified_t, width, self.head.fc.weight.dtype)
+        width = self.verified.max() + seen.shape[-1]
+        return batch_tree_mask(seen, self.verified.dev, width, self.head.fc.weight.dtype)
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
         if self.static is not None:
             return self._propose_static()
-        feats, toks, fresh, fresh_t = self.pending
+        feats, toks, fresh = self.pending
         a, n = toks.shape
         dev = self.device
         if self.ragged:
-            self.past.set_row_lengths(self.verified, self.verified_t)
+            self.past.set_row_lengths(self.verified)
         causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(a, n, n)
-        pos = self.verified_t[:, None] + torch.arange(n, device=dev)
+        pos = self.verified.dev[:, None] + torch.arange(n, device=dev)
         h = self.head.step(self.embed(toks), self.head.fc(feats.to(self.head.fc.weight.dtype)), pos, self.past,
                            self._mask(causal))
         if not self.ragged:
             root_h = h[:, -1]  # [1, H]
-            self.verified = [self.verified[0] + n]
-            self.verified_t = self.verified_t + n
+            self.verified = self.verified + n
             root_logits = self.head.target_logits(root_h[0])[None]  # (a vector through the head, as at batch 1)
         else:
-            root_h = h.gather(1, (fresh_t - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
-            self.verified = [v + k for v, k in zip(self.verified, fresh)]
-            self.verified_t = self.verified_t + fresh_t
-            self.past.set_row_lengths(self.verified, self.verified_t)  # (a row's padding pairs: stale)
+            root_h = h.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
+            self.verified = self.verified + fresh
+            self.past.set_row_lengths(self.verified)  # (a row's padding pairs: stale)
             root_logits = self.head.target_logits(root_h)
-        pos0 = self.verified_t  # (the root's position + 1, per row)
+        pos0 = self.verified.dev  # (the root's position + 1, per row)
 
         def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):
             return (pos0 + depth - 1)[:, None].expand(a, seen.shape[1]), self._mask(seen)
 
         grown = self._grow(root_h, root_logits, at, vector=not self.ragged)
         if self.ragged:  # drop drafted entries
-            self.past.set_row_lengths(self.verified, self.verified_t)
+            self.past.set_row_lengths(self.verified)
         else:
             self.past.crop(self.verified[0] - self.past.get_seq_length())
         return grown.draft()
@@ -540,21 +537,21 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         """model.compile: the step over the new verified pairs on the static cache's whole bucket of rows (compiled
         once the cache holds the prompt: their count padded to a bucket, the padding pairs written past each row's
         own, stale), then the tree as one compiled region (CompiledTree). Rows ragged at any batch."""
-        feats, toks, fresh, fresh_t = self.pending
+        feats, toks, fresh = self.pending
         static, (a, n) = self.static, toks.shape
         if not self.ragged:  # one row: every pair is fresh
-            fresh, fresh_t = [n], torch.full((1,), n, device=self.device)
-        self.past.set_row_lengths(self.verified, self.verified_t)
+            fresh = RowCounts((n,), torch.full((1,), n, device=self.device))
+        self.past.set_row_lengths(self.verified)
         prefill = static.get_seq_length() == 0  # (the prompt's pairs: eager)
         q = step_rows(n, prefill)
         static.begin(q, STATIC_BLOCK)  # each row's pairs behind its own verified ones
         h = self._pairs(static, prefill, pad_rows(toks, static.batch, q), pad_rows(feats, static.batch, q),
-                        pad_rows(self.verified_t, static.batch))  # (the rows past `a`: padding)
-        root_h = h[:a].gather(1, (fresh_t - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
-        self.verified = [v + k for v, k in zip(self.verified, fresh)]
-        self.verified_t = self.verified_t + fresh_t
-        self.past.set_row_lengths(self.verified, self.verified_t)
-        return self.region.grow(static, self.policy, self.head.vocab_size, self._grow_laid_out, root_h, self.verified_t)
+                        pad_rows(self.verified.dev, static.batch))  # (the rows past `a`: padding)
+        root_h = h[:a].gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
+        self.verified = self.verified + fresh
+        self.past.set_row_lengths(self.verified)
+        return self.region.grow(static, self.policy, self.head.vocab_size, self._grow_laid_out, root_h,
+                                self.verified.dev)
 
     def _pairs_step(self, ids: torch.Tensor, feats: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
         """ids [P, Q], fused features [P, Q, 3H] behind each row's `prefixes` [P] verified pairs, causal among
@@ -593,12 +590,10 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         n = state.layers.shape[1]  # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)
-        self.pending = (state.layers, state.fresh_tokens() if self.ragged else state.tokens[:, -n:], state.fresh,
-                        state.fresh_t)
+        self.pending = (state.layers, state.fresh_tokens() if self.ragged else state.tokens[:, -n:], state.fresh)
 
     def keep_rows(self, leave) -> None:
-        self.verified = [self.verified[i] for i in leave.index]
-        self.verified_t = self.verified_t.index_select(0, leave.index_t)
+        self.verified = self.verified.keep(leave)
         self.past.move_rows(leave.src, leave.dst, len(leave.index))
-        self.past.set_row_lengths(self.verified, self.verified_t)
+        self.past.set_row_lengths(self.verified)
 

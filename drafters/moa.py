@@ -73,6 +73,7 @@ from drafters.layers import layers_config, target_layer
 from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
 from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
 from specbench.decode.kvcache import StaticCache
+from specbench.decode.rows import RowCounts
 from specbench.decode.target import kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask, tree_attention_mask, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -543,8 +544,7 @@ class MoADrafter(TrainableDrafter):
     # ---- the rows protocol: every row of a batch in the same forwards ---------------------------------------------
     # Batch 1 is the one-row path above (its records unchanged), except with model.compile (below: every batch size
     # through the static path). Ragged rows (B > 1): the CA, SA and TLI caches hold
-    # one row per batch row, each at its own length (`_acts` activations, `_sa` SA entries: host lists and device
-    # tensors); the new activations, the new verified tokens' SA and each tree level are one forward for all rows
+    # one row per batch row, each at its own length (`_acts` activations, `_sa` SA entries: RowCounts); the new activations, the new verified tokens' SA and each tree level are one forward for all rows
     # (padded to the longest row; a row's padding entries are written, then left stale behind its length).
     batched = True
 
@@ -568,27 +568,26 @@ class MoADrafter(TrainableDrafter):
             self.ca_kv = self.new_kv(size, ragged=True)
             self.sa_cache = Cache(layers=[self.new_kv(size, ragged=True)])
             self.tli_kv = [self.new_kv(size, ragged=True) for _ in range(self.net.tli)]
-        zeros = torch.zeros(a, dtype=torch.long, device=self.device)
-        self._acts, self._acts_t = [0] * a, zeros  # activations in ca_kv and in the TLI caches, per row
-        self._sa, self._sa_t = [0] * a, zeros.clone()  # verified tokens in the SA cache, per row
+        self._acts = RowCounts.zeros(a, self.device)  # activations in ca_kv and in the TLI caches, per row
+        self._sa = RowCounts.zeros(a, self.device)  # verified tokens in the SA cache, per row
 
     def _set_lengths(self, sa: bool = True) -> None:
         """Every cache's rows back at their verified lengths (drafted entries dropped)."""
         for cached in (self.ca_kv, *self.tli_kv):
-            cached.set_row_lengths(self._acts, self._acts_t)
+            cached.set_row_lengths(self._acts)
         if sa:
-            self.sa_cache.layers[0].set_row_lengths(self._sa, self._sa_t)
+            self.sa_cache.layers[0].set_row_lengths(self._sa)
 
     def _absorb_rows(self, state: TargetState) -> None:
         """_absorb for ragged rows: row b's cached columns acts[b] .. lengths[b] - 2 of every layer, padded to the
         widest row: one LSA forward, one CA key write, one write per TLI cache."""
-        now = [t - 1 for t in state.lengths]  # the target's cached entries per row
-        m = max(n - c for n, c in zip(now, self._acts))
+        now = state.lengths - 1  # the target's cached entries per row
+        m = max(n - c for n, c in zip(now, self._acts))  # (on the host)
         if m <= 0:
             return
         self._set_lengths(sa=False)
-        self._absorb_at(self._acts_t[:, None] + torch.arange(m, device=self.device), state.kv)
-        self._acts, self._acts_t = now, state.num_tokens_rows() - 1
+        self._absorb_at(self._acts.dev[:, None] + torch.arange(m, device=self.device), state.kv)
+        self._acts = now
         self._set_lengths(sa=False)
 
     def _rows_batch(self, tokens: torch.Tensor, pos: torch.Tensor, sa_seen: torch.Tensor,
@@ -597,12 +596,12 @@ class MoADrafter(TrainableDrafter):
         [A, R, S'] as there -> logits [A, R, V]."""
         wdt = self._wdt()
         a, r = tokens.shape
-        sa_mask = batch_tree_mask(sa_seen, self._sa_t, max(self._sa) + sa_seen.shape[-1], wdt)
+        sa_mask = batch_tree_mask(sa_seen, self._sa.dev, self._sa.max() + sa_seen.shape[-1], wdt)
         none = torch.zeros(a, r, 0, dtype=torch.bool, device=self.device)
-        ca_allowed = batch_tree_mask(none, self._acts_t, max(self._acts), wdt)  # every activation of the row
+        ca_allowed = batch_tree_mask(none, self._acts.dev, self._acts.max(), wdt)  # every activation of the row
         tli_mask = None
         if self.net.tli and self.tli_context != "none":
-            tli_mask = batch_tree_mask(tli_seen, self._acts_t, max(self._acts) + tli_seen.shape[-1],
+            tli_mask = batch_tree_mask(tli_seen, self._acts.dev, self._acts.max() + tli_seen.shape[-1],
                                        self.tli_kv[0].keys.dtype)
         return self._draft(tokens, pos[:, None].expand(a, r), sa_mask, ca_allowed,
                            (self.ca_kv.keys, self.ca_kv.values), tli_mask)
@@ -633,19 +632,19 @@ class MoADrafter(TrainableDrafter):
             return self.propose(state)
         dev = self.device
         self._absorb_rows(state)
-        lengths_t = state.num_tokens_rows()  # [A] verified tokens, the root last
-        a = lengths_t.shape[0]
-        m = max(t - 1 - s for t, s in zip(state.lengths, self._sa))
+        lengths = state.lengths  # verified tokens per row, the root last
+        a = len(lengths)
+        m = max(t - 1 - c for t, c in zip(lengths, self._sa))
         if m > 0:  # each row's new verified tokens (the root excluded), causal, after its cached ones
-            cols = self._sa_t[:, None] + torch.arange(m, device=dev)  # [A, m]
+            cols = self._sa.dev[:, None] + torch.arange(m, device=dev)  # [A, m]
             toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
-            self._sa_at(toks, cols, self._sa_t, max(self._sa) + m)
-            self._sa, self._sa_t = [t - 1 for t in state.lengths], lengths_t - 1
-            self.sa_cache.layers[0].set_row_lengths(self._sa, self._sa_t)
-        root_pos = lengths_t - 1
+            self._sa_at(toks, cols, self._sa.dev, self._sa.max() + m)
+            self._sa = lengths - 1
+            self.sa_cache.layers[0].set_row_lengths(self._sa)
+        root_pos = lengths.dev - 1
         ones = torch.ones(a, 1, 1, dtype=torch.bool, device=dev)  # the root sees itself (SA) and its TLI slot
         root_logits = self._rows_batch(state.tokens.gather(1, root_pos[:, None]), root_pos, ones, ones)[:, 0]
-        self._sa, self._sa_t = list(state.lengths), lengths_t  # the root is a verified token: its SA entry stays
+        self._sa = lengths  # the root is a verified token: its SA entry stays
         book = GrowingTree(self.policy.max_nodes, dev, trees=a)  # slots: the drafted SA entries
 
         def expand(level: Level) -> torch.Tensor:
@@ -665,37 +664,38 @@ class MoADrafter(TrainableDrafter):
     # a verified token, with the tokens accepted after it.
     def _propose_static(self, state: TargetState) -> DraftTree:
         dev, static = self.device, self.static
-        lengths = state.lengths or [state.num_tokens] * state.rows
-        lengths_t = state.num_tokens_rows()
+        lengths = state.lengths
+        if lengths is None:  # one row: every token of it
+            lengths = RowCounts((state.num_tokens,) * state.rows, state.num_tokens_rows())
         self._set_lengths()
         bucket = static.batch
         m = max(t - 1 - c for t, c in zip(lengths, self._acts))  # new activations: the target's cached entries
         if m > 0:
-            prefill = max(self._acts) == 0  # (the prompt's: eager)
+            prefill = self._acts.max() == 0  # (the prompt's: eager)
             q = step_rows(m, prefill)
-            cols = self._acts_t[:, None] + torch.arange(q, device=dev)  # [A, q]
-            self.ca_static.place(self._acts_t, max(self._acts), q, STATIC_BLOCK)
-            static.place(self._acts_t, max(self._acts), q, STATIC_BLOCK)  # (its TLI layers)
+            cols = self._acts.dev[:, None] + torch.arange(q, device=dev)  # [A, q]
+            self.ca_static.place(self._acts, q, STATIC_BLOCK)
+            static.place(self._acts, q, STATIC_BLOCK)  # (its TLI layers)
             self._absorb_region(static, prefill, pad_rows(cols, bucket), state.kv_static)
-            self._acts, self._acts_t = [t - 1 for t in lengths], lengths_t - 1
+            self._acts = lengths - 1
         m = max(t - 1 - c for t, c in zip(lengths, self._sa))  # new verified tokens but the root, for the SA
         if m > 0:
-            prefill = max(self._sa) == 0
+            prefill = self._sa.max() == 0
             q = step_rows(m, prefill)
-            cols = self._sa_t[:, None] + torch.arange(q, device=dev)  # [A, q]
+            cols = self._sa.dev[:, None] + torch.arange(q, device=dev)  # [A, q]
             toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
-            width = static.place(self._sa_t, max(self._sa), q, STATIC_BLOCK)
+            width = static.place(self._sa, q, STATIC_BLOCK)
             self._sa_region(static, prefill, pad_rows(toks, bucket), pad_rows(cols, bucket),
-                            pad_rows(self._sa_t, bucket), width)
-            self._sa, self._sa_t = [t - 1 for t in lengths], lengths_t - 1
+                            pad_rows(self._sa.dev, bucket), width)
+            self._sa = lengths - 1
         self._set_lengths()  # the SA layer at the verified activations' count: the tree's prefixes
-        root = state.tokens.gather(1, (lengths_t - 1)[:, None])  # [A, 1]
+        root = state.tokens.gather(1, (lengths.dev - 1)[:, None])  # [A, 1]
         # the drafted entries of the SA and TLI layers: the root's and one per node fed to `expand`
         vocab = self.lm_head.weight.shape[0]
         entries = 1 + self.policy.expanded(vocab)
         # the width CA reads, the one the tree's SA and TLI layers will (one graph per block, not two)
-        self.ca_static.place(self._acts_t, max(self._acts), entries, STATIC_BLOCK)
-        return self.region.grow(static, self.policy, vocab, self._grow_laid_out, root, self._sa_t, entries)
+        self.ca_static.place(self._acts, entries, STATIC_BLOCK)
+        return self.region.grow(static, self.policy, vocab, self._grow_laid_out, root, self._sa.dev, entries)
 
     def _absorb_at(self, cols: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The activations of the target's cached columns cols [P, q] (each row's new ones, then padding, written past
@@ -758,8 +758,7 @@ class MoADrafter(TrainableDrafter):
         keep = len(leave.index)
         for cached in (self.ca_kv, self.sa_cache.layers[0], *self.tli_kv):
             cached.move_rows(leave.src, leave.dst, keep)
-        self._acts, self._sa = [self._acts[i] for i in leave.index], [self._sa[i] for i in leave.index]
-        self._acts_t, self._sa_t = self._acts_t.index_select(0, leave.index_t), self._sa_t.index_select(0, leave.index_t)
+        self._acts, self._sa = self._acts.keep(leave), self._sa.keep(leave)
         self._set_lengths()
 
 

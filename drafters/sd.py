@@ -30,6 +30,7 @@ from specbench.decode.checkpoints import resolve
 from specbench.decode.compiled import decode
 from specbench.errors import SpecbenchError
 from specbench.decode.kvcache import StaticCache
+from specbench.decode.rows import RowCounts
 from specbench.decode.sampling import logits_to_probs, sample
 from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
@@ -274,15 +275,14 @@ class IndependentDrafter(TrainableDrafter):
         if not self.ragged:
             return self.prefill(state)
         self.cache = self._new_cache(state, ragged=True)
-        self.cached_rows = [0] * state.rows  # per row: tokens in its cache row
-        self.cached_t = torch.zeros(state.rows, dtype=torch.long, device=state.tokens.device)
+        self.cached_rows = RowCounts.zeros(state.rows, state.tokens.device)  # per row: tokens in its cache row
 
     def _forward_rows(self, ids: torch.Tensor, seen: torch.Tensor, depth: torch.Tensor | int) -> torch.Tensor:
         """ids [A, Q] behind each row's cached tokens, query q seeing the new slots seen[a, q] [A, Q, S] -> logits
         [A, Q, V] on the target's rows; positions cached + depth (depth [Q] or an int)."""
-        pos = self.cached_t[:, None] + depth
+        pos = self.cached_rows.dev[:, None] + depth
         pos = pos.expand(ids.shape[0], ids.shape[1])
-        mask = batch_tree_mask(seen, self.cached_t, max(self.cached_rows) + seen.shape[-1],
+        mask = batch_tree_mask(seen, self.cached_rows.dev, self.cached_rows.max() + seen.shape[-1],
                                self.model.get_output_embeddings().weight.dtype)
         return fit_vocab(self._logits(ids, last=False, position_ids=pos, attention_mask=mask), self.vocab)
 
@@ -292,16 +292,15 @@ class IndependentDrafter(TrainableDrafter):
             return self.propose(state)
         a, dev = state.rows, state.tokens.device
         # catch up: row b's tokens cached[b] .. lengths[b]-1, left-aligned, causal among themselves
-        counts = [n - c for n, c in zip(state.lengths, self.cached_rows)]
-        q = max(counts)
-        counts_t = state.num_tokens_rows() - self.cached_t
-        cols = (self.cached_t[:, None] + torch.arange(q, device=dev)).clamp(max=state.num_tokens - 1)
-        self.cache.set_row_lengths(self.cached_rows, self.cached_t)
+        counts = state.lengths - self.cached_rows
+        q = counts.max()
+        cols = (self.cached_rows.dev[:, None] + torch.arange(q, device=dev)).clamp(max=state.num_tokens - 1)
+        self.cache.set_row_lengths(self.cached_rows)
         causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(a, q, q)
         logits = self._forward_rows(state.tokens.gather(1, cols), causal, torch.arange(q, device=dev))
-        root = logits.gather(1, (counts_t - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
-        self.cached_rows, self.cached_t = list(state.lengths), state.num_tokens_rows()
-        self.cache.set_row_lengths(self.cached_rows, self.cached_t)  # (a row's padding entries: stale)
+        root = logits.gather(1, (counts.dev - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
+        self.cached_rows = state.lengths
+        self.cache.set_row_lengths(self.cached_rows)  # (a row's padding entries: stale)
         if self.policy is not None:
             return self._grow_rows(root)
         one = torch.ones(a, 1, 1, dtype=torch.bool, device=dev)
@@ -317,9 +316,8 @@ class IndependentDrafter(TrainableDrafter):
             tokens.append(x)
             if i + 1 < self.gamma:
                 logits = self._forward_rows(x[:, None], one, 0)[:, 0]
-                self.cached_rows = [c + 1 for c in self.cached_rows]
-                self.cached_t = self.cached_t + 1
-                self.cache.set_row_lengths(self.cached_rows, self.cached_t)
+                self.cached_rows = self.cached_rows + 1
+                self.cache.set_row_lengths(self.cached_rows)
         probs = torch.stack(qs, dim=1) if qs else None  # [A, gamma, V]
         return DraftTree.chain(torch.stack(tokens, dim=1), probs)
 
@@ -327,15 +325,15 @@ class IndependentDrafter(TrainableDrafter):
         """_grow for every row at once: the root of row b at position cached[b] - 1."""
         if isinstance(self.cache, StaticCache):  # model.compile: the whole tree one compiled region
             return self.region.grow(self.cache, self.policy, root_logits.shape[-1], self._grow_laid_out, root_logits,
-                                    self.cached_t)
-        rows, rows_t = list(self.cached_rows), self.cached_t
+                                    self.cached_rows.dev)
+        rows = self.cached_rows
 
         def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):
-            pos = (rows_t[:, None] + depth - 1).expand(seen.shape[0], seen.shape[1])
-            return pos, batch_tree_mask(seen, rows_t, max(rows) + seen.shape[-1], dtype)
+            pos = (rows.dev[:, None] + depth - 1).expand(seen.shape[0], seen.shape[1])
+            return pos, batch_tree_mask(seen, rows.dev, rows.max() + seen.shape[-1], dtype)
 
         grown = self._grow_tree(root_logits, at)
-        self.cache.set_row_lengths(rows, rows_t)  # drop the drafted entries
+        self.cache.set_row_lengths(rows)  # drop the drafted entries
         return grown.draft()
 
     def _grow_tree(self, root_logits: torch.Tensor, at, laid_out: bool = False) -> Grown:
@@ -362,17 +360,14 @@ class IndependentDrafter(TrainableDrafter):
         if self.policy is not None:
             return  # the cache holds the verified tokens up to the old root; the new ones are fed at the next propose
         # row b's cache = its verified tokens before this step + drafts x_1..x_{gamma-1}; keep the accepted ones
-        fresh = state.fresh_rows()  # accepted + 1 (a row still decoding emitted them all)
-        self.cached_rows = [n - len(r.emitted) + min(r.accept_length, self.gamma - 1)
-                            for n, r in zip(state.lengths, results)]
-        self.cached_t = state.num_tokens_rows() - fresh + (fresh - 1).clamp(max=self.gamma - 1)
-        self.cache.set_row_lengths(self.cached_rows, self.cached_t)
+        fresh = state.fresh  # accepted + 1 (a row still decoding emitted them all)
+        self.cached_rows = state.lengths - fresh + (fresh - 1).clamp(max=self.gamma - 1)
+        self.cache.set_row_lengths(self.cached_rows)
 
     def keep_rows(self, leave) -> None:
         if not self.ragged:
             return
-        self.cached_rows = [self.cached_rows[i] for i in leave.index]
-        self.cached_t = self.cached_t.index_select(0, leave.index_t)
-        self.cache.leave(leave.src, leave.dst, len(leave.index), self.cached_rows, self.cached_t)
+        self.cached_rows = self.cached_rows.keep(leave)
+        self.cache.leave(leave.src, leave.dst, len(leave.index), self.cached_rows)
 
 

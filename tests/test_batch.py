@@ -11,6 +11,7 @@ from specbench.decode.engine import Engine
 from specbench.decode.kvcache import PreallocatedCache, PreallocatedLayer
 from specbench.tools.perf_drafters import CountedDrafter
 from specbench.decode.roundtrips import HostRoundTrips
+from specbench.decode.rows import Leave, RowCounts
 from specbench.decode.target import compact_rows
 from specbench.decode.tree import additive, ancestor_matrix, batch_tree_mask, padded_ancestors, visible
 from specbench.decode.types import SamplingParams
@@ -206,10 +207,10 @@ def test_compact_rows_keeps_each_rows_accepted_entries():
     cache.set_row_lengths([4, 2])  # ragged: row 1 holds 2 entries
     for i, lay in enumerate(cache.layers):  # each row writes a root and 3 nodes behind its own entries
         lay.update(kv[i][0][:, :, 4:8], kv[i][1][:, :, 4:8])
-    assert layer.rows == [8, 6]
+    assert layer.rows.host == (8, 6) and layer.rows.dev.tolist() == [8, 6]
     # row 0 (root at 4) keeps nodes 1, 2 (entries 6, 7 -> 5, 6); row 1 (root at 2) keeps node 0 (entry 3: in place)
-    compact_rows(cache, torch.tensor([5, 3]), torch.tensor([[1, 2, -1], [0, -1, -1]]), torch.tensor([2, 1]), [5, 3],
-                 [2, 1])
+    compact_rows(cache, RowCounts.copy([5, 3], None), torch.tensor([[1, 2, -1], [0, -1, -1]]),
+                 RowCounts.copy([2, 1], None))
     assert cache.row_lengths() == [7, 4]
     for i, lay in enumerate(cache.layers):
         for got, want in ((lay.keys, kv[i][0]), (lay.values, kv[i][1])):
@@ -321,10 +322,28 @@ def test_a_batched_drafters_rows_are_each_rows_own_proposal(name):
     contexts = [[5, 17, 33, 17, 33, 9, 2, 17, 33], [1, 2, 3, 1, 2], [60, 61, 60, 61, 60, 7], [4, 4, 4, 4, 4, 4, 4, 4]]
     width = max(len(c) for c in contexts)
     tokens = torch.tensor([c + [c[-1]] * (width - len(c)) for c in contexts])
-    state = TargetState(tokens=tokens, hidden=None, kv=None, lengths=[len(c) for c in contexts],
-                        lengths_t=torch.tensor([len(c) for c in contexts]))
+    state = TargetState(tokens=tokens, hidden=None, kv=None, lengths=RowCounts.copy([len(c) for c in contexts], None))
     tree = drafter.propose_rows(state)
     for r, c in enumerate(contexts):
         alone = drafter.propose(TargetState(tokens=torch.tensor([c]), hidden=None, kv=None))
         mine = tree.row(r)
         assert mine.tokens.tolist() == alone.tokens.tolist() and mine.parents.tolist() == alone.parents.tolist()
+
+
+def test_row_counts_change_on_both_sides_together():
+    """RowCounts: arithmetic, clamping and a leave give the same counts on the host and on the device; a host-only
+    count (a lone row's path) stays host-only and is refused beside one on the device."""
+    a, b = RowCounts.copy([4, 2, 7], None), RowCounts.copy([1, 3, 0], None)
+    for got, want in ((a + b, [5, 5, 7]), (a - b, [3, -1, 7]), (a + 2, [6, 4, 9]), ((a - b).clamp(min=0, max=5),
+                                                                                    [3, 0, 5])):
+        assert list(got) == want and got.dev.tolist() == want
+    assert a.max() == 7 and a.ragged and not RowCounts.copy([3, 3], None).ragged
+    leave = Leave([2, 1], torch.tensor([2, 1]), torch.tensor([2]), torch.tensor([0]))
+    kept = a.keep(leave)
+    assert kept.host == (7, 2) and kept.dev.tolist() == [7, 2]
+    lone = RowCounts((5,)) + 3
+    assert lone.host == (8,) and lone.dev is None
+    with pytest.raises(ValueError):
+        lone + RowCounts.copy([1], None)
+    with pytest.raises(ValueError):
+        a + RowCounts.copy([1, 2], None)

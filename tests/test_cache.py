@@ -134,10 +134,10 @@ def test_ragged_rows_write_behind_their_own_entries():
     cache.set_row_lengths([6, 4])  # row 1 kept 4 of its entries
     new_k = torch.randn(2, before.shape[1], 3, before.shape[-1])
     k, _ = layer.update(new_k, new_k.clone())
-    assert k.shape[2] == 9 and layer.rows == [9, 7] and cache.get_seq_length() == 9
+    assert k.shape[2] == 9 and layer.rows.host == (9, 7) and layer.rows.dev.tolist() == [9, 7] and cache.get_seq_length() == 9
     assert torch.equal(k[0, :, :6], before[0]) and torch.equal(k[0, :, 6:9], new_k[0])
     assert torch.equal(k[1, :, :4], before[1, :, :4]) and torch.equal(k[1, :, 4:7], new_k[1])
     cache.crop(-2)
-    assert layer.rows == [7, 5] and layer.length == 7
+    assert layer.rows.host == (7, 5) and layer.rows.dev.tolist() == [7, 5] and layer.length == 7
     cache.set_row_lengths([5, 5])
     assert layer.rows is None and layer.length == 5

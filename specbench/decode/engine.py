@@ -25,7 +25,7 @@ from specbench.decode.clock import StepClock, sync
 from specbench.decode.kvcache import StaticCache
 from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, check_batched, rows_protocol
 from specbench.decode.sampling import logits_to_probs, sample
-from specbench.decode.rows import Row, Rows
+from specbench.decode.rows import Row, RowCounts, Rows
 from specbench.decode.target import TargetModel, cache_kv, compact_cache, compact_rows
 from specbench.decode.tree import ancestor_matrices, batch_tree_mask, is_chain, node_depths, tree_attention_mask
 from specbench.decode.types import DraftTree, SamplingParams, TargetState, VerifyResult
@@ -141,15 +141,15 @@ class Engine:
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
         self.ragged = ragged
 
-    def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: list[int], fresh_t: torch.Tensor, cache,
+    def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: RowCounts, cache,
                ragged: bool, layers: torch.Tensor | None, capacity: int) -> TargetState:
         """What the drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]),
         the cache's K/V, the EAGLE-3 layers."""
         needs = self.drafter.needs
-        lengths = [p + 1 for p in rows.prefixes]
+        lengths = rows.prefix + 1
         gens = tuple(r.generator for r in rows.live)
         return TargetState(
-            tokens=rows.ids[:, : max(lengths)],
+            tokens=rows.ids[:, : lengths.max()],
             hidden=hidden if HIDDEN in needs else None,
             kv=cache_kv(cache, self.target.device) if KV in needs else None,
             kv_static=cache.buffers() if KV in needs and isinstance(cache, StaticCache) else None,
@@ -160,8 +160,6 @@ class Engine:
             lengths=lengths if ragged else None,
             fresh=fresh if ragged else None,
             generators=gens,
-            lengths_t=rows.lengths + 1,
-            fresh_t=fresh_t,
         )
 
     def _count_step(self, gen: Generation, tree: DraftTree, row: int, emitted: list[int], parents: list[int],
@@ -219,15 +217,15 @@ class Engine:
         additive mask (None: a lone row's chain, under the model's causal mask) and the ancestor matrices [A, Q, Q]."""
         anc = ancestor_matrices(tree.parents)  # [A, Q, Q]
         depth = anc.sum(-1)  # [A, Q] ancestors counting itself: the root 1, its children 2, ...
-        roots = rows.ids.gather(1, rows.lengths[:, None])  # [A, 1] the last verified token, at index prefix
+        roots = rows.ids.gather(1, rows.prefix.dev[:, None])  # [A, 1] the last verified token, at index prefix
         ids = torch.cat([roots, tree.tokens], 1)
         if not ragged:  # one row: its prefix is a host int, the cache's own length
-            prefix = rows.live[0].prefix
+            prefix = rows.prefix[0]
             mask = None if tree.is_chain else tree_attention_mask(anc[0], prefix, self.target.dtype)
             return ids, prefix - 1 + depth, mask, anc
         q = anc.shape[-1]
-        mask = batch_tree_mask(anc, rows.lengths, max(rows.prefixes) + q, self.target.dtype)  # [A, 1, Q, W]
-        return ids, rows.lengths[:, None] - 1 + depth, mask, anc
+        mask = batch_tree_mask(anc, rows.prefix.dev, rows.prefix.max() + q, self.target.dtype)  # [A, 1, Q, W]
+        return ids, rows.prefix.dev[:, None] - 1 + depth, mask, anc
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
@@ -266,12 +264,12 @@ class Engine:
             cache = target.new_cache(min(need, context) if context else need)  # the context bounds it
         layer_ids = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()  # EAGLE-3's features
         prompt_t, fwd, first, logits, first_host = self._prefill(prompts, cache, ragged, layer_ids, generators)
-        lengths = torch.tensor(lens, device=dev) if ragged else torch.full((1,), lens[0], device=dev)  # [B] prefixes
+        prefix = RowCounts.copy(lens, dev)  # [B] each row's cached entries: its prompt
         ids = torch.zeros(b, need + 1, dtype=torch.long, device=dev)  # every row's verified tokens
         ids[:, : prompt_t.shape[1]] = prompt_t
-        ids.scatter_(1, lengths[:, None], first[:, None])  # the root behind each prompt
+        ids.scatter_(1, prefix.dev[:, None], first[:, None])  # the root behind each prompt
         rows = Rows([Row(i, Generation(new_tokens=[first_host[i]], prompt_tokens=lens[i], wall_s=0.0, prefill_s=0.0),
-                         budgets[i], generators[i], capture_at.get(i), lens[i]) for i in range(b)], ids, lengths)
+                         budgets[i], generators[i], capture_at.get(i)) for i in range(b)], ids, prefix)
         gens = [row.gen for row in rows.live]
         for row in rows.live:
             if row.capture_at == 0:
@@ -282,15 +280,15 @@ class Engine:
                 row.gen.stopped_by = "eos"
             if first_host[r] in eos or row.budget <= 1:
                 done.add(r)  # done at the prefill: leaves before the drafter sees it
-        hid, lay, fresh, fresh_t = fwd.hidden, fwd.layers, lens, lengths
+        hid, lay, fresh = fwd.hidden, fwd.layers, prefix  # (the prompt's hidden rows)
         if done:
             step = self._leave(rows, done, cache, None, ragged)
             hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
-            fresh, fresh_t = [fresh[i] for i in step.index], rows.lengths
+            fresh = rows.prefix
         drafter = rows_protocol(self.drafter, len(rows))
         if len(rows):
             # a drafter's own caches: the need, unclamped (a tree past the context is drafted before it is dropped)
-            state = self._state(rows, hid, fresh, fresh_t, cache, ragged, lay, need)
+            state = self._state(rows, hid, fresh, cache, ragged, lay, need)
             drafter.prefill_rows(state)
         sync(devs)
         batch = BatchGeneration(rows=gens, wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -324,18 +322,18 @@ class Engine:
             paths = [flat[2 * a * n + r * n : 2 * a * n + r * n + lengths_h[r]] for r in range(a)]
             contiguous = all(p == list(range(len(p))) for p in paths)
             if ragged:
-                compact_rows(cache, rows.lengths + 1, acc.path, acc.length, [p + 1 for p in rows.prefixes], lengths_h,
-                             contiguous)
+                compact_rows(cache, rows.prefix + 1, acc.path, RowCounts(tuple(lengths_h), acc.length), contiguous)
             else:
-                compact_cache(cache, rows.live[0].prefix, acc.path[0, : lengths_h[0]], contiguous)
+                compact_cache(cache, rows.prefix[0], acc.path[0, : lengths_h[0]], contiguous)
             clock.step(td, tv, clock.mark(), [row.gen for row in rows.live])
             batch.steps += 1
             batch.active.append(a)
             # every row's new tokens (accepted + next) written behind its root, on the device (past a row's end: stale)
             new = torch.cat([tree.tokens.gather(1, acc.path.clamp(min=0)), acc.next_token.new_zeros(a, 1)], 1)
             new.scatter_(1, acc.length[:, None], acc.next_token[:, None])  # [A, N+1]
-            rows.ids.scatter_(1, rows.lengths[:, None] + 1 + torch.arange(n + 1, device=dev), new)
-            rows.lengths = rows.lengths + 1 + acc.length
+            rows.ids.scatter_(1, rows.prefix.dev[:, None] + 1 + torch.arange(n + 1, device=dev), new)
+            fresh = RowCounts(tuple(k + 1 for k in lengths_h), acc.length + 1)  # each row's root + accepted path
+            rows.prefix = rows.prefix + fresh
             done, results = set(), []
             for r, row in enumerate(rows.live):
                 gen, k = row.gen, sizes[r]
@@ -347,7 +345,6 @@ class Engine:
                     # emitted token t was chosen at the row of its parent: the root (row 0), then accepted node path[t-1]
                     gen.captured = logits[r, ([0] + [j + 1 for j in path])[row.capture_at - before]].clone()
                 self._count_step(gen, tree, r, emitted, parents, path, bool(recs[r]))
-                row.prefix += 1 + len(path)
                 if finished:
                     clock.finish(gen, clock.mark())
                     done.add(r)
@@ -359,15 +356,13 @@ class Engine:
             hid = fwd.hidden.gather(1, keep[:, :, None].expand(-1, -1, fwd.hidden.shape[-1]))
             lay = None if fwd.layers is None else fwd.layers.gather(1, keep[:, :, None].expand(-1, -1,
                                                                                                 fwd.layers.shape[-1]))
-            fresh, fresh_t = [k + 1 for k in lengths_h], acc.length + 1
             if done:
                 if len(done) == a:
                     break
                 step = self._leave(rows, done, cache, drafter, ragged)
                 hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
-                fresh, results = [fresh[i] for i in step.index], [results[i] for i in step.index]
-                fresh_t = fresh_t.index_select(0, step.index_t)
-            state = self._state(rows, hid, fresh, fresh_t, cache, ragged, lay, need)
+                fresh, results = fresh.keep(step), [results[i] for i in step.index]
+            state = self._state(rows, hid, fresh, cache, ragged, lay, need)
             drafter.on_verified_rows(results, state)
         clock.resolve()  # (its one wait for the device, where it marked with events)
         sync(devs)
@@ -380,7 +375,7 @@ class Engine:
         if context is None:
             return tree
         sizes = tree.row_sizes()
-        over = [r for r, (row, k) in enumerate(zip(rows.live, sizes)) if row.prefix + 1 + k > context]
+        over = [r for r, (p, k) in enumerate(zip(rows.prefix, sizes)) if p + 1 + k > context]
         if not over:
             return tree
         if len(sizes) == 1:
@@ -398,7 +393,7 @@ class Engine:
         """Finished rows leave the batch: the rows, the cache and the drafter (None: not started yet) reorder alike."""
         step = rows.leave(done)
         if ragged:
-            cache.leave(step.src, step.dst, len(rows), rows.prefixes, rows.lengths)
+            cache.leave(step.src, step.dst, len(rows), rows.prefix)
         if drafter is not None:
             drafter.keep_rows(step)
         return step

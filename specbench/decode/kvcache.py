@@ -15,11 +15,13 @@ entries past its own length are stale, hidden by the engine's per-row mask). No 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specbench.decode.rows import RowCounts
 from specbench.errors import SpecbenchError
 
 
@@ -33,8 +35,8 @@ class PreallocatedLayer(CacheLayerMixin):
     def __init__(self, capacity: int):
         self.capacity = max(int(capacity), 1)
         self.length = 0  # the longest row's
-        self.rows: list[int] | None = None  # per-row lengths when ragged (host ints: no device read), else None
-        self.at: torch.Tensor | None = None  # [B] the same on the device, where each row writes (ragged only)
+        # per-row lengths when ragged (the host's ints, and on the device where each row writes), else None
+        self.rows: RowCounts | None = None
         self._k: torch.Tensor | None = None  # [B, kv_heads, capacity, head_dim]
         self._v: torch.Tensor | None = None
         super().__init__()  # (assigns keys / values = None: the setters below accept that)
@@ -98,14 +100,13 @@ class PreallocatedLayer(CacheLayerMixin):
             self._k[:, :, self.length : end] = key_states
             self._v[:, :, self.length : end] = value_states
         else:  # ragged: each row behind its own entries, every row in one scatter
-            cols = self.at[:, None] + torch.arange(q, device=self.at.device)  # [B, Q]
+            cols = self.rows.dev[:, None] + torch.arange(q, device=self.rows.dev.device)  # [B, Q]
             rows = torch.arange(cols.shape[0], device=cols.device)[:, None]  # [B, 1]
             # advanced indices around a slice put their axes first: the target is [B, Q, kv_heads, head_dim]
             self._k[rows, :, cols] = key_states.transpose(1, 2)
             self._v[rows, :, cols] = value_states.transpose(1, 2)
-            self.at = self.at + q
-            self.rows = [n + q for n in self.rows]
-            end = max(self.rows)
+            self.rows = self.rows + q
+            end = self.rows.max()
         self.length = end
         return self.keys, self.values
 
@@ -113,16 +114,17 @@ class PreallocatedLayer(CacheLayerMixin):
         """update without its return: for a drafter that reads its keys elsewhere (MoA's CA and TLI copies)."""
         self.update(key_states, value_states)
 
-    def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
+    def set_row_lengths(self, lengths: RowCounts | Sequence[int]) -> None:
         """Row b holds lengths[b] entries from now on (after a per-row compaction); equal lengths end raggedness.
-        `at` [B]: the same lengths on the device (the engine keeps them there; else copied from the host)."""
+        RowCounts bring their device copy (the engine's, a drafter's); plain ints are copied to the device."""
         self._hold(len(lengths))
-        self.rows = None if len(set(lengths)) <= 1 else [int(n) for n in lengths]
         self.length = max(lengths, default=0)
-        if self.rows is not None:
-            self.at = at if at is not None else torch.tensor(self.rows, device=self._k.device)
+        if len(set(lengths)) <= 1:
+            self.rows = None
+        elif isinstance(lengths, RowCounts) and lengths.dev is not None:
+            self.rows = lengths
         else:
-            self.at = None
+            self.rows = RowCounts.copy(lengths, self._k.device)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0  # (kv_length, kv_offset), as DynamicLayer: the rows in use + the query
@@ -138,13 +140,12 @@ class PreallocatedLayer(CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass minus the number of entries to drop")
         if self.rows is not None:
-            self.set_row_lengths([max(n + tokens_to_remove, 0) for n in self.rows],
-                                 None if self.at is None else (self.at + tokens_to_remove).clamp(min=0))
+            self.set_row_lengths((self.rows + tokens_to_remove).clamp(min=0))
         else:
             self.length = max(self.length + tokens_to_remove, 0)
 
     def reset(self) -> None:
-        self.length, self.rows, self.at = 0, None, None
+        self.length, self.rows = 0, None
 
     def move_entries(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """In every batch row b, the entries at columns src[b] [M] copied to columns dst[b] [M] (one gather and one
@@ -183,13 +184,13 @@ class PreallocatedCache(Cache):
                              f"{', '.join(sorted(kinds))}{' with a sliding window' if kinds == {'full_attention'} else ''}")
         super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(text.num_hidden_layers)])
 
-    def set_row_lengths(self, lengths: list[int], at: torch.Tensor | None = None) -> None:
-        """Ragged rows (batched decoding): row b holds lengths[b] entries in every layer (`at`: the same on the
-        device, one tensor for every layer)."""
-        if at is None and len(set(lengths)) > 1 and self.layers[0]._k is not None:
-            at = torch.tensor([int(n) for n in lengths], device=self.layers[0]._k.device)
+    def set_row_lengths(self, lengths: RowCounts | Sequence[int]) -> None:
+        """Ragged rows (batched decoding): row b holds lengths[b] entries in every layer (one device copy for every
+        layer)."""
+        if not isinstance(lengths, RowCounts) and len(set(lengths)) > 1 and self.layers[0]._k is not None:
+            lengths = RowCounts.copy(lengths, self.layers[0]._k.device)
         for layer in self.layers:
-            layer.set_row_lengths(lengths, at)
+            layer.set_row_lengths(lengths)
 
     def row_lengths(self) -> list[int]:
         """Entries per row (host ints)."""
@@ -197,14 +198,13 @@ class PreallocatedCache(Cache):
         b = 0 if layer._k is None else layer._k.shape[0]
         return list(layer.rows) if layer.rows is not None else [layer.length] * b
 
-    def leave(self, src: torch.Tensor, dst: torch.Tensor, keep: int, lengths: list[int],
-              at: torch.Tensor | None = None) -> None:
+    def leave(self, src: torch.Tensor, dst: torch.Tensor, keep: int, lengths: RowCounts | Sequence[int]) -> None:
         """A batch shrinks to its first `keep` rows, rows src [M] moved into rows dst [M] first (a finished row's place
         taken by a later row: specbench/decode/rows.py), holding `lengths` entries each: the moved rows are copied,
         the others stay where they are (no copy of the buffers)."""
         for layer in self.layers:
             layer.move_rows(src, dst, keep)
-        self.set_row_lengths(lengths, at)
+        self.set_row_lengths(lengths)
 
 
 @dataclass
@@ -316,18 +316,19 @@ class StaticCache(PreallocatedCache):
                 raise SpecbenchError(f"model.compile: {live} rows on a static cache of {self.batch}")
             self.window.live = live
         first = self.layers[0]
-        return self.place(first.length if first.rows is None else first.at, self.get_seq_length(), rows, block)
+        return self.place(first.length if first.rows is None else first.rows, rows, block)
 
-    def place(self, at: torch.Tensor | int, longest: int, rows: int, block: int | None = None) -> int:
+    def place(self, at: RowCounts | int, rows: int, block: int | None = None) -> int:
         """begin's placement given by the caller: live row b writes at at[b] (an int: every row there), the padding
-        rows at 0; `longest` the longest live row's entries (the width's base). For a drafter whose layers hold
-        different counts (MoA: its SA and TLI layers), where the first layer's lengths do not say. Returns the width."""
+        rows at 0; the longest live row's entries are the width's base. For a drafter whose layers hold different
+        counts (MoA: its SA and TLI layers), where the first layer's lengths do not say. Returns the width."""
+        longest = at if isinstance(at, int) else at.max()
         if longest + rows > self.capacity:
             raise SpecbenchError(f"model.compile: {longest + rows} positions exceed the static cache's {self.capacity}")
         if isinstance(at, int):
             self.at.fill_(at)
         else:
-            self.at[: self.live].copy_(at)
+            self.at[: self.live].copy_(at.dev)
         self.at[self.live :] = 0
         end = longest + rows
         self.window.width = self.capacity if block is None else min(self.capacity, block * -(-end // block))
@@ -345,9 +346,9 @@ class StaticCache(PreallocatedCache):
             for layer in self.layers:
                 layer.length += rows
             return
-        lengths, at = [n + rows for n in first.rows], first.at + rows
+        lengths = first.rows + rows
         for layer in self.layers:
-            layer.rows, layer.at, layer.length = lengths, at, max(lengths)
+            layer.rows, layer.length = lengths, lengths.max()
 
     def reset(self) -> None:
         for layer in self.layers:

@@ -7,7 +7,7 @@ others stay where they are), and every holder of rows applies the same `Leave`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
@@ -24,7 +24,6 @@ class Row:
     budget: int  # max new tokens
     generator: torch.Generator | None  # its RNG (T > 0)
     capture_at: int | None  # the new token whose choosing logits it keeps (divergence replays), None: none
-    prefix: int  # entries it holds in the target cache: its verified tokens but the last (the root)
 
 
 @dataclass(frozen=True)
@@ -35,6 +34,78 @@ class Leave:
     index_t: torch.Tensor  # [A'] the same on the device
     src: torch.Tensor  # [M]
     dst: torch.Tensor  # [M]
+
+
+@dataclass(frozen=True)
+class RowCounts:
+    """A count per live row (a cache's entries, a row's verified tokens, its fresh hidden rows), held where each of its
+    two readers needs it: `host` sizes a step in Python (a forward's width, a mask's columns, a row's slice) and `dev`
+    feeds the step's tensor ops (positions, write offsets, gathers) without a host read. Both change together, here:
+    a count is never advanced on one side by hand. `dev` None: a lone row's path, counted on the host only."""
+
+    host: tuple[int, ...]
+    dev: torch.Tensor | None = None  # [A] int64, the same counts on the device
+
+    @classmethod
+    def zeros(cls, rows: int, device: torch.device | str | None) -> "RowCounts":
+        return cls((0,) * rows, torch.zeros(rows, dtype=torch.long, device=device))
+
+    @classmethod
+    def copy(cls, host: Sequence[int], device: torch.device | str | None) -> "RowCounts":
+        """Host ints, copied to the device: one transfer for rows of different counts, none for equal ones (a fill:
+        on CUDA a copy from pageable memory would wait for the stream)."""
+        host = tuple(int(n) for n in host)
+        if len(set(host)) <= 1:
+            return cls(host, torch.full((len(host),), host[0] if host else 0, dtype=torch.long, device=device))
+        return cls(host, torch.tensor(host, dtype=torch.long, device=device))
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.host)
+
+    def __getitem__(self, r: int) -> int:
+        return self.host[r]
+
+    def max(self) -> int:
+        return max(self.host, default=0)
+
+    @property
+    def ragged(self) -> bool:
+        """Rows of different counts."""
+        return len(set(self.host)) > 1
+
+    def _dev_with(self, other: "RowCounts | int", op) -> torch.Tensor | None:
+        if isinstance(other, int):
+            return None if self.dev is None else op(self.dev, other)
+        if (self.dev is None) != (other.dev is None):
+            raise ValueError("RowCounts: a host-only count combined with one on the device")
+        return None if self.dev is None else op(self.dev, other.dev)
+
+    def __add__(self, other: "RowCounts | int") -> "RowCounts":
+        host = tuple(a + other for a in self.host) if isinstance(other, int) else _zip(self.host, other.host, int.__add__)
+        return RowCounts(host, self._dev_with(other, torch.add))
+
+    def __sub__(self, other: "RowCounts | int") -> "RowCounts":
+        host = tuple(a - other for a in self.host) if isinstance(other, int) else _zip(self.host, other.host, int.__sub__)
+        return RowCounts(host, self._dev_with(other, torch.sub))
+
+    def clamp(self, min: int | None = None, max: int | None = None) -> "RowCounts":
+        lo, hi = -(1 << 62) if min is None else min, (1 << 62) if max is None else max
+        host = tuple(sorted((lo, n, hi))[1] for n in self.host)
+        return RowCounts(host, None if self.dev is None else self.dev.clamp(min=min, max=max))
+
+    def keep(self, leave: "Leave") -> "RowCounts":
+        """The counts of the rows a leave keeps, in their new order."""
+        return RowCounts(tuple(self.host[i] for i in leave.index),
+                         None if self.dev is None else self.dev.index_select(0, leave.index_t))
+
+
+def _zip(a: tuple[int, ...], b: tuple[int, ...], op) -> tuple[int, ...]:
+    if len(a) != len(b):
+        raise ValueError(f"RowCounts of {len(a)} and {len(b)} rows")
+    return tuple(op(x, y) for x, y in zip(a, b))
 
 
 def swap_remove(n: int, done: set[int]) -> list[int]:
@@ -51,17 +122,14 @@ def swap_remove(n: int, done: set[int]) -> list[int]:
 
 class Rows:
     """The live rows in cache-row order, their verified tokens on the device (`ids` [A, capacity], row r's first
-    `prefix + 1`) and their cache lengths there (`lengths` [A], the device's copy of each Row.prefix)."""
+    `prefix[r] + 1`) and `prefix`: the entries each holds in the target cache, its verified tokens but the last (the
+    root)."""
 
-    def __init__(self, live: list[Row], ids: torch.Tensor, lengths: torch.Tensor):
-        self.live, self.ids, self.lengths = live, ids, lengths
+    def __init__(self, live: list[Row], ids: torch.Tensor, prefix: RowCounts):
+        self.live, self.ids, self.prefix = live, ids, prefix
 
     def __len__(self) -> int:
         return len(self.live)
-
-    @property
-    def prefixes(self) -> list[int]:
-        return [r.prefix for r in self.live]
 
     def leave(self, done: set[int]) -> Leave:
         """Drop the rows `done` (their places) from the batch; returns the Leave every other holder applies."""
@@ -76,5 +144,5 @@ class Rows:
         step = Leave(index, flat[:k], flat[k : k + m], flat[k + m :])
         self.live = [self.live[i] for i in index]
         self.ids = self.ids.index_select(0, step.index_t)  # a few ints a row: a fresh buffer (old views stay whole)
-        self.lengths = self.lengths.index_select(0, step.index_t)
+        self.prefix = self.prefix.keep(step)
         return step

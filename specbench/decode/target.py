@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from specbench.decode.compiled import CompiledDecoder, CompiledDecoders
 from specbench.errors import SpecbenchError
 from specbench.decode.kvcache import PreallocatedCache, PreallocatedLayer, StaticCache
+from specbench.decode.rows import RowCounts
 
 from specbench.decode.tree import tree_attention_mask, tree_position_ids
 
@@ -170,21 +171,21 @@ def compact_cache(cache: Cache, prefix_len: int, keep: torch.Tensor, contiguous:
     cache.crop(first + a - cache.get_seq_length())  # transformers' crop takes minus the number of entries to drop
 
 
-def compact_rows(cache: PreallocatedCache, first: torch.Tensor, path: torch.Tensor, length: torch.Tensor,
-                 firsts: list[int], accepted: list[int], contiguous: bool = False) -> None:
+def compact_rows(cache: PreallocatedCache, first: RowCounts, path: torch.Tensor, accepted: RowCounts,
+                 contiguous: bool = False) -> None:
     """compact_cache for ragged rows (batched decoding): row r wrote its root at first[r] - 1 and its tree behind it;
     it keeps its prefix, the root and its accepted nodes path[r, :accepted[r]] (path order, then -1), copied into place
     behind the root with one gather and one scatter per layer for the whole batch; then row r holds first[r] +
-    accepted[r] entries (the tree past them is stale). first, length [A] and path [A, N] on the device; firsts and
-    accepted: the host's ints of the same; contiguous: every row's path is its nodes 0..A_r-1 (nothing to copy)."""
-    amax = max(accepted, default=0)
+    accepted[r] entries (the tree past them is stale). path [A, N] on the device; contiguous: every row's path is its
+    nodes 0..A_r-1 (nothing to copy)."""
+    amax = accepted.max()
     if amax and not contiguous:
-        dst = first[:, None] + torch.arange(amax, device=first.device)  # [A, amax]
+        dst = first.dev[:, None] + torch.arange(amax, device=first.dev.device)  # [A, amax]
         keep = path[:, :amax]
-        src = torch.where(keep >= 0, first[:, None] + keep, dst)  # past a row's path: its entry onto itself
+        src = torch.where(keep >= 0, first.dev[:, None] + keep, dst)  # past a row's path: its entry onto itself
         for layer in cache.layers:
             layer.move_entries(src.to(layer._k.device), dst.to(layer._k.device))
-    cache.set_row_lengths([f + a for f, a in zip(firsts, accepted)], first + length)
+    cache.set_row_lengths(first + accepted)
 
 
 def kv_per_token(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

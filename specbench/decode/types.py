@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specbench.decode.rows import RowCounts
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -118,12 +120,10 @@ class TargetState:
     generator: torch.Generator | None = None  # the run's RNG, for drafters that sample at T>0
     capacity: int = 0  # positions this generation can reach (prompt + budget + a tree; 0: not said), context or not
     # ragged rows (a batch): row b's verified tokens are tokens[b, :lengths[b]], its hidden rows hidden[b, :fresh[b]],
-    # its cached entries kv[..., :lengths[b] - 1, :], its RNG generators[b] (host ints; None: every row full, as at B=1)
-    lengths: list[int] | None = None
-    fresh: list[int] | None = None
+    # its cached entries kv[..., :lengths[b] - 1, :], its RNG generators[b] (None: every row full, as at B=1)
+    lengths: RowCounts | None = None
+    fresh: RowCounts | None = None
     generators: tuple[torch.Generator | None, ...] | None = None
-    lengths_t: torch.Tensor | None = None  # [B] each row's verified tokens on the device (the engine's; None: T each)
-    fresh_t: torch.Tensor | None = None  # [B] each row's hidden rows on the device (the engine's; None: n each)
 
     @property
     def num_tokens(self) -> int:
@@ -135,14 +135,14 @@ class TargetState:
 
     def num_tokens_rows(self) -> torch.Tensor:
         """[B] each row's verified tokens, on the device (no host copy where the engine gave them)."""
-        if self.lengths_t is not None:
-            return self.lengths_t
+        if self.lengths is not None:
+            return self.lengths.dev
         return torch.full((self.rows,), self.num_tokens, dtype=torch.long, device=self.tokens.device)
 
     def fresh_rows(self) -> torch.Tensor:
         """[B] each row's hidden rows (those just written to the cache), on the device."""
-        if self.fresh_t is not None:
-            return self.fresh_t
+        if self.fresh is not None:
+            return self.fresh.dev
         return torch.full((self.rows,), self._fresh_width(), dtype=torch.long, device=self.tokens.device)
 
     def _fresh_width(self) -> int:
