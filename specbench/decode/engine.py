@@ -321,8 +321,9 @@ class Engine:
             nexts, recs = flat[3 * a * n + a : 3 * a * n + 2 * a], flat[3 * a * n + 2 * a :]
             paths = [flat[2 * a * n + r * n : 2 * a * n + r * n + lengths_h[r]] for r in range(a)]
             contiguous = all(p == list(range(len(p))) for p in paths)
+            accepted = RowCounts(tuple(lengths_h), acc.length)  # each row's accepted nodes
             if ragged:
-                compact_rows(cache, rows.prefix + 1, acc.path, RowCounts(tuple(lengths_h), acc.length), contiguous)
+                compact_rows(cache, rows.prefix + 1, acc.path, accepted, contiguous)
             else:
                 compact_cache(cache, rows.prefix[0], acc.path[0, : lengths_h[0]], contiguous)
             clock.step(td, tv, clock.mark(), [row.gen for row in rows.live])
@@ -332,7 +333,7 @@ class Engine:
             new = torch.cat([tree.tokens.gather(1, acc.path.clamp(min=0)), acc.next_token.new_zeros(a, 1)], 1)
             new.scatter_(1, acc.length[:, None], acc.next_token[:, None])  # [A, N+1]
             rows.ids.scatter_(1, rows.prefix.dev[:, None] + 1 + torch.arange(n + 1, device=dev), new)
-            fresh = RowCounts(tuple(k + 1 for k in lengths_h), acc.length + 1)  # each row's root + accepted path
+            fresh = accepted + 1  # each row's root + accepted path
             rows.prefix = rows.prefix + fresh
             done, results = set(), []
             for r, row in enumerate(rows.live):
