@@ -29,7 +29,9 @@ Training (the authors' moa_spec.py forward and trainer):
   - loss (Table 6, Eq. 2): 0.1 x CE to the target's next-token law (the authors' "forward_KL", -sum p log q) +
     SmoothL1 of the final feature (the LM head's input) to the target's last hidden state; with TLI > 0 the feature
     term is 0.5 x that + 0.5 x SmoothL1 of o^ to the input of the first TLI layer; over every answer position (the
-    pre-TLI term is 0 at block starts, which count in its mean: theirs overwrites the prediction there in place);
+    pre-TLI term is 0 at block starts, which count in its mean: theirs overwrites the prediction there in place,
+    and so do we for the TLI layers' input: at a block start they take the true input, so the final loss there trains
+    nothing of the drafter);
   - gradients clipped to norm 1.0, AdamW without weight decay (their trainer.yaml; conf/drafter/moa.yaml);
   - init as theirs: Linear weights and RMSNorm weights ~ N(0, initializer_range), biases 0 (HF's `_init_weights` of
     their class, which they extended to the RMSNorms).
@@ -346,10 +348,13 @@ class MoADrafter(TrainableDrafter):
 
     @classmethod
     def predict(cls, net, target, ids, kv, pre_pad, starts, staircase: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, tli_input: torch.Tensor | None = None):
         """Teacher-forced prediction: ids [B, T], kv [B, T, L, 2E_kv], pre_pad [B, T] (1 = real), starts [B, T] =
         start(i), staircase [B] bool (SA within the block) -> (o^ [B, T, E], the LM head's input [B, T, E], logits);
-        with `rows` [B, T] bool the 49k-row LM head and the outputs are taken there only ([M, ...])."""
+        with `rows` [B, T] bool the 49k-row LM head and the outputs are taken there only ([M, ...]). With TLI > 0 and
+        `tli_input` [B, T, E] (the target's true input of the first TLI layer), the TLI layers take it, not o^, at
+        block starts, as the authors' forward overwrites it there: the final loss at a block start (a query never
+        drafted) then trains nothing of the drafter, and its prediction is the target's own."""
         b, t = ids.shape
         dev = ids.device
         idx = torch.arange(t, device=dev)
@@ -367,6 +372,8 @@ class MoADrafter(TrainableDrafter):
         q = net.sa(emb, pos, additive(sa_allowed[:, None], wdt))
         out = net.cross_attention(q, pos, ca_allowed[:, None], net.cross_attention.keys(acts, pos))
         x = out
+        if net.tli and tli_input is not None:  # [B, T, E]: true at block starts (start(i) == i), o^ elsewhere
+            x = torch.where((starts == idx[None])[..., None], tli_input.to(out.dtype), out)
         if net.tli:
             nkv = target.decoder.layers[0].self_attn.k_proj.out_features // target.decoder.layers[0].self_attn.head_dim
             first = len(target.decoder.layers) - net.tli
@@ -388,15 +395,16 @@ class MoADrafter(TrainableDrafter):
         starts = block_starts(batch.loss_mask * batch.attn_mask, every)
         stair = staircase_rows(b, progress, opts.staircase_until, dev) if opts.staircase else None
         rows = (batch.loss_mask * batch.attn_mask).bool()  # every answer position (the authors' response_mask)
+        true_in = batch.pre[:, :, module.tli - 1] if module.tli else None  # [B, T, E] the first TLI layer's input
         out, final, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts, stair,
-                                         rows)
+                                         rows, true_in)
         p = teacher_probs(target, batch.hidden[rows])  # [M, V]
         logq = logits.log_softmax(-1)
         ce = soft_ce(p, logq)
         feat = F.smooth_l1_loss(final, batch.hidden[rows].to(final.dtype), reduction="none").mean(-1).mean()
         parts = {"ce": ce.item(), "feat": feat.item(), "top1": top1(logq, p)}
         if module.tli:
-            pre = batch.pre[:, :, module.tli - 1][rows]
+            pre = true_in[rows]
             # zero at block starts, which still count in the mean (the authors overwrite the TLI input there with the
             # true one in place, so their prediction equals its target: moa_spec.py's prev_feature_loss)
             inside = (starts != torch.arange(starts.shape[1], device=dev))[rows]

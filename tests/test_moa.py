@@ -71,6 +71,32 @@ def test_training_prediction_equals_drafting(tli):
     assert checked >= 8
 
 
+@pytest.mark.parametrize("tli", [1, 2])
+def test_a_block_start_takes_the_true_tli_input_as_the_authors_forward_does(tli):
+    """With the target's true input of the first TLI layer, a block start's TLI layers see the true K/V up to itself
+    and the true input, so its logits are the target's own, and its final loss sends no gradient to the drafter's
+    prediction there; inside a block the prediction is used as before."""
+    target, net, ids, kv = setup(tli)
+    t = ids.shape[1]
+    starts = block_starts(torch.ones(1, t, dtype=torch.long), torch.tensor([5]))
+    at_start = starts[0] == torch.arange(t)
+    with torch.no_grad():
+        res = target.decoder(input_ids=ids, output_hidden_states=True)
+        true_in = res.hidden_states[len(target.decoder.layers) - tli]  # [1, T, E]
+        theirs = target.lm_head(res.last_hidden_state)[0]
+    real = torch.ones(1, t, dtype=torch.long)
+    out, final, logits = MoADrafter.predict(net, target, ids, kv, real, starts, tli_input=true_in)
+    torch.testing.assert_close(logits[0, at_start], theirs[at_start], atol=1e-4, rtol=1e-4)
+    _, _, plain = MoADrafter.predict(net, target, ids, kv, real, starts)
+    torch.testing.assert_close(logits[0, ~at_start], plain[0, ~at_start])
+    assert not torch.allclose(plain[0, at_start], theirs[at_start], atol=1e-2)  # the input really was replaced
+    params = list(net.parameters())
+    assert final[0, ~at_start].requires_grad  # (inside a block the drafter's prediction is trained)
+    picked = final[0, at_start].sum()
+    grads = torch.autograd.grad(picked, params, allow_unused=True) if picked.requires_grad else [None] * len(params)
+    assert all(g is None or not g.any() for g in grads)
+
+
 def test_the_staircase_sa_sees_only_its_block():
     """With the staircase the SA output of a query does not depend on tokens before its block."""
     target, net, ids, kv = setup(0)
