@@ -429,7 +429,8 @@ def test_trainmem_graph_memory_is_flat_for_beagle_and_grows_for_hass(tmp_path, s
 
 def test_trainspeed_measures_each_method_in_fp32_and_under_bf16_autocast(tmp_path, sharegpt_file, tiny_checkpoint):
     """`make trainspeed`: one point per method and precision; under bf16 autocast the tensors autograd saves are bf16,
-    so the graph is smaller (autocast is really on, in the trainer's own context), and MoA gets its K/V features."""
+    so the graph is smaller (autocast is really on, in the trainer's own context), MoA gets its K/V features and
+    EAGLE-3 its layer features and data-sized draft vocabulary, as in the trainer."""
     from hydra import compose, initialize_config_dir
 
     from specbench.tools import trainmem
@@ -437,12 +438,12 @@ def test_trainspeed_measures_each_method_in_fp32_and_under_bf16_autocast(tmp_pat
     over = train_overrides(tmp_path, sharegpt_file, **{"train.max_len": 40})
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="trainspeed", overrides=[f"model.path={tiny_checkpoint}", "model.name=tiny",
-                                                           "trainmem.methods=[eagle,moa]", "bench.warmup=1",
+                                                           "trainmem.methods=[eagle,moa,eagle3]", "bench.warmup=1",
                                                            "bench.repeats=1", *over])
         todo = trainmem.jobs(cfg)
     rows = {(r["method"], r["precision"]): r for r in map(trainmem.measure, todo)}
-    assert sorted(rows) == [("eagle", "bf16"), ("eagle", "fp32"), ("moa", "bf16"), ("moa", "fp32")]
-    for method in ("eagle", "moa"):
+    assert sorted(rows) == [(m, p) for m in ("eagle", "eagle3", "moa") for p in ("bf16", "fp32")]
+    for method in ("eagle", "moa", "eagle3"):
         assert rows[method, "bf16"]["graph_bytes"] < 0.8 * rows[method, "fp32"]["graph_bytes"]
         assert rows[method, "fp32"]["tokens_per_s"] == rows[method, "fp32"]["tokens"] / rows[method, "fp32"]["step_s"]
 

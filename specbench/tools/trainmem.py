@@ -53,9 +53,9 @@ def fixed_batch(train_set, tc: TrainConfig, device, kv: bool = False):
 
 def measure(job: dict) -> dict:
     """One (method, s) point, in its own process."""
-    from specbench.decode.drafter import KV
-    from specbench.train.features import online_kv
-    from specbench.train.trainer import add_noise, backward_pieces, prepare_features
+    from specbench.decode.drafter import KV, LAYERS
+    from specbench.train.features import token_counts
+    from specbench.train.trainer import add_noise, backward_pieces, prepare_features, target_inputs
 
     torch.manual_seed(0)
     model_cfg, tc = to_dataclass(ModelConfig, job["model"]), to_dataclass(TrainConfig, job["train"])
@@ -66,8 +66,12 @@ def measure(job: dict) -> dict:
     train_set, _ = prepare_features(target, tc, model_cfg, kv=stored, rank=0)
     batch = fixed_batch(train_set, tc, device, kv=stored)
     add_noise(batch, tc.noise, tc.noise_scale, torch.Generator().manual_seed(0))
-    opts = cls.options(job["module"])
+    # as the trainer builds it: options sized from the answers (EAGLE-3's draft vocabulary), then its data-fitted state
+    counts = token_counts(train_set, target.vocab_size)
+    opts = cls.options({**job["module"], **cls.fit_options(cls.options(job["module"]), counts)})
     module = cls.build_module(target, opts).to(device).train()
+    cls.fit_data(module, counts, opts)
+    layers = tuple(cls.feature_layers(module)) if LAYERS in cls.needs else ()
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), fused=device.type == "cuda")
     epoch = job["epoch"]
@@ -81,8 +85,8 @@ def measure(job: dict) -> dict:
         return t
 
     def step() -> None:
-        if KV in cls.needs and not stored:  # the trainer's online K/V: part of what a step costs
-            batch.kv, batch.pre = online_kv(target, batch.input_ids, batch.attn_mask, tc.features_dtype)
+        # the trainer's online K/V and EAGLE-3's online features: part of what a step costs
+        target_inputs(batch, target, KV in cls.needs and not stored, layers, tc.features_dtype)
         opt.zero_grad(set_to_none=True)
         for _ in backward_pieces(cls.training_steps(module, batch, target, opts, epoch), tc, device):
             graph["now"] = 0  # that graph is freed; the next piece starts from nothing

@@ -192,6 +192,16 @@ def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: Mod
     return [done[i] for i in range(len(train_convs)) if i in done], val_convs
 
 
+def target_inputs(batch: Batch, target: TargetModel, kv: bool, layers: tuple[int, ...], dtype: str) -> None:
+    """What a step reads from the frozen target, computed for `batch` in the loop (the trainer's and `make
+    trainspeed`'s step alike): MoA's per-layer K/V (`kv`: train.kv_features=online) and EAGLE-3's low/middle/high
+    features (`layers`: hidden_states indices, empty for every other method)."""
+    if kv:
+        batch.kv, batch.pre = online_kv(target, batch.input_ids, batch.attn_mask, dtype)
+    if layers:
+        batch.layers = online_layers(target, batch.input_ids, batch.attn_mask, layers, dtype)
+
+
 def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool, rank: int,
                      world: int = 1):
     """Train and validation FeatureSets (resumable), shared by every drafter. Under torchrun each rank writes its
@@ -601,11 +611,7 @@ class Trainer:
                 opt.state.clear()
                 log.info("step %d: a new stage, with a fresh optimiser", step)
             batch = batch.to(dev)
-            if self.online_kv:  # MoA's target K/V from the frozen target, not from disk
-                batch.kv, batch.pre = online_kv(self.target, batch.input_ids, batch.attn_mask, tc.features_dtype)
-            if self.layers:  # EAGLE-3's low/middle/high features from the frozen target
-                batch.layers = online_layers(self.target, batch.input_ids, batch.attn_mask, self.layers,
-                                             tc.features_dtype)
+            target_inputs(batch, self.target, self.online_kv, self.layers, tc.features_dtype)
             self._seed_step(step, noise_gen)
             add_noise(batch, tc.noise, tc.noise_scale, noise_gen)
             for g in opt.param_groups:
