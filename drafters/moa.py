@@ -372,9 +372,9 @@ class MoADrafter(TrainableDrafter):
         q = net.sa(emb, pos, additive(sa_allowed[:, None], wdt))
         out = net.cross_attention(q, pos, ca_allowed[:, None], net.cross_attention.keys(acts, pos))
         x = out
-        if net.tli and tli_input is not None:  # [B, T, E]: true at block starts (start(i) == i), o^ elsewhere
-            x = torch.where((starts == idx[None])[..., None], tli_input.to(out.dtype), out)
         if net.tli:
+            if tli_input is not None:  # [B, T, E]: true at block starts (start(i) == i), o^ elsewhere
+                x = torch.where((starts == idx[None])[..., None], tli_input.to(out.dtype), out)
             nkv = target.decoder.layers[0].self_attn.k_proj.out_features // target.decoder.layers[0].self_attn.head_dim
             first = len(target.decoder.layers) - net.tli
             allowed = torch.cat([ca_allowed, own], -1)[:, None]  # true K/V up to start(i), predicted after it
