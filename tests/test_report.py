@@ -368,3 +368,29 @@ def test_make_figures_writes_the_tables_the_docs_show(tmp_path):
     (tmp_path / "repo" / "results").symlink_to(REPO / "results")
     changed, missing = sync_docs(tmp_path / "repo", doc_files(tmp_path / "repo"))
     assert changed == [] and missing == []
+
+
+def test_an_option_ablation_puts_each_value_of_the_option_in_its_own_row(tmp_path):
+    """moa_tli_context: the same drafter at two values of drafter.module.tli_context fills two rows (option_key), not
+    one cell where the newer run would hide the other."""
+    exp = tmp_path / "results" / "moa_tli_context"
+    for ctx, tau, td in (("target", 1.5, 20.0), ("none", 1.25, 12.0)):
+        run = exp / f"smollm2-135m__moa_tli1__mtbench__{ctx}"
+        run.mkdir(parents=True)
+        cfg = {"model": {"name": "m", "dtype": "float32"}, "decoding": {"max_new_tokens": 64, "batch_size": 1},
+               "dataset": {"name": "mtbench", "limit": 3},
+               "drafter": {"name": "moa_tli1", "module": {"tli": 1, "tli_context": ctx},
+                           "tree": {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62}}}
+        (run / "run.json").write_text(json.dumps({"config": cfg, "date": "2000-01-01", "env": {"cpu": "cpu0"},
+                                                  "git": {"commit": "abcdef0123"}}))
+        (run / "summary.json").write_text(json.dumps({"drafter": "moa_tli1", "dataset": "mtbench", "temperature": 0.0,
+                                                      "tau_micro": tau, "draft_ms_per_step": td,
+                                                      "speedup": {"mean": tau / 2}}))
+    table, = experiment_report("moa_tli_context")[0]
+    assert table.option == "drafter.module.tli_context"
+    report(tmp_path / "results")
+    md = next(exp.glob("tli_context.*.md")).read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
+    assert rows["moa_tli1 tli_context=target"].startswith("| moa_tli1 tli_context=target | 0.75x | 1.50 | 20.0 |")
+    assert rows["moa_tli1 tli_context=none"].startswith("| moa_tli1 tli_context=none | 0.62x | 1.25 | 12.0 |")
+    assert "moa_tli1 tli_context=target, moa_tli1 tli_context=none: dynamic (depth 6, top-k 8" in md.splitlines()[0]

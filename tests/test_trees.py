@@ -208,6 +208,7 @@ PAPER_TREES = {
     "beagle_table1": {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60, "root_counted": True},  # papers/000 Sec. 5.1
     "coral_table2": {"kind": "dynamic", "depth": 6, "topk": 10, "total_tokens": 60, "root_counted": True},  # papers/003 Sec. 4.1
     "moa_table2": {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62, "root_counted": False},  # papers/002 Sec. 4
+    "moa_tli_context": {"kind": "dynamic", "depth": 6, "topk": 8, "total_tokens": 62, "root_counted": False},  # moa_table2's
 }
 
 

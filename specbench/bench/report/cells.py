@@ -26,6 +26,9 @@ class Table:
     temperatures: tuple[float, ...] = (0.0,)
     mean: bool = False  # add the paper's Mean/Average column group (mean over the datasets)
     paper_tree: str = ""  # the draft tree the paper decoded with, for the caption (ours come from the runs)
+    # a run option whose values are rows (a dotted path into run.json's config, e.g. drafter.module.tli_context): a
+    # row is then named "<drafter> <leaf>=<value>" (option_key), one drafter's ablation in the paper's layout
+    option: str = ""
 
 
 # metric -> (column title, how to read it from a summary, format)
@@ -82,6 +85,19 @@ class Setting:
 def cell_key(summary: dict, head: dict) -> tuple:
     """A paper table's cell: (drafter, dataset, temperature)."""
     return summary["drafter"], summary["dataset"], float(summary["temperature"])
+
+
+def option_key(option: str):
+    """A cell key that names the row by the run's value of `option` too: ("<drafter> <leaf>=<value>", dataset,
+    temperature), so the runs of one drafter at two values of an option fill two rows, not one cell."""
+    path = option.split(".")
+
+    def key(summary: dict, head: dict) -> tuple:
+        node = head["config"]
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        return f"{summary['drafter']} {path[-1]}={node}", summary["dataset"], float(summary["temperature"])
+    return key
 
 
 def tree_key(summary: dict, head: dict) -> tuple:
@@ -154,12 +170,13 @@ def tree_of(drafter: dict, used: dict | None = None) -> str | None:
     return None
 
 
-def trees(table: Table, used: list[dict]) -> str:
-    """Which tree each drafter of the table decoded with, grouped: 'a, b: <tree>; c: <tree>' (table order)."""
+def trees(table: Table, used: dict[tuple, dict]) -> str:
+    """Which tree each row of the table decoded with, grouped: 'a, b: <tree>; c: <tree>' (table order). used: cell
+    key -> run, the row's name first in the key."""
     groups: dict[str, list[str]] = {}
     for name in table.drafters:
         for desc in sorted({tree_of(r["_head"]["config"]["drafter"], r["_head"].get("tree_used"))
-                            for r in used if r["drafter"] == name} - {None}):
+                            for k, r in used.items() if k[0] == name} - {None}):
             groups.setdefault(desc, []).append(name)
     return "; ".join(f"{', '.join(names)}: {desc}" for desc, names in groups.items())
 
@@ -212,8 +229,9 @@ def render(table: Table, runs: dict, setting: Setting, failed: dict | None = Non
         for name, row in zip(table.drafters, rows):
             row += [mean_cell([runs.get((name, d, t)) for d in table.datasets], m)
                     for t in table.temperatures for m in table.metrics]
-    used = [runs[k] for k in sorted(runs) if k[0] in table.drafters and k[1] in table.datasets]
-    ours = trees(table, used)
+    keys = [k for k in sorted(runs) if k[0] in table.drafters and k[1] in table.datasets]
+    used = [runs[k] for k in keys]
+    ours = trees(table, {k: runs[k] for k in keys})
     caption = (f"{table.caption}; {setting.describe()}. "
                + (f"The paper's tree: {table.paper_tree}. " if table.paper_tree else "")
                + (f"Trees of these runs: {ours}. " if ours else "") + f"{provenance(used) if used else 'no runs yet'}."

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from specbench.bench.report.cells import Table, file_stem, load_failures, load_runs, render
+from specbench.bench.report.cells import (
+    Table, cell_key, file_stem, load_failures, load_runs, option_key, render)
 from specbench.bench.report.tables import (
     AutoTable, BaselinesTable, BatchTable, BoardTable, VocabTable, experiment_report)
 from specbench.bench.report.figures import figure_cost, figure_leviathan
@@ -20,7 +21,11 @@ def report(results: Path) -> list[Path]:
             continue
         tables, figures = spec
         paper = [t for t in tables if isinstance(t, Table)]
-        settings = load_runs(exp_dir) if paper else {}
+        options = {t.option for t in paper}
+        if len(options) > 1:
+            raise ValueError(f"conf/experiment/{exp_dir.name}.yaml: its tables name different options {sorted(options)}")
+        option = next(iter(options), "")
+        settings = load_runs(exp_dir, option_key(option) if option else cell_key) if paper else {}
         failed = load_failures(exp_dir) if paper else {}
         for setting in failed:  # a setting whose every job failed still gets its tables, naming the failures
             settings.setdefault(setting, {})

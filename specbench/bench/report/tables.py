@@ -73,7 +73,7 @@ def experiment_report(exp: str) -> tuple[list, list[str]] | None:
         elif kind == "table":
             tables.append(Table(t["name"], t["caption"], tuple(t["drafters"]), tuple(t["datasets"]),
                                 tuple(t["metrics"]), tuple(float(x) for x in t.get("temperatures", [0.0])),
-                                bool(t.get("mean", False)), t.get("paper_tree", "")))
+                                bool(t.get("mean", False)), t.get("paper_tree", ""), t.get("option", "")))
         else:
             raise ValueError(f"{path}: report table kind {kind!r} is not table, router, auto, vocab, batch, baselines or "
                              f"board")
