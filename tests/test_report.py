@@ -394,3 +394,27 @@ def test_an_option_ablation_puts_each_value_of_the_option_in_its_own_row(tmp_pat
     assert rows["moa_tli1 tli_context=target"].startswith("| moa_tli1 tli_context=target | 0.75x | 1.50 | 20.0 |")
     assert rows["moa_tli1 tli_context=none"].startswith("| moa_tli1 tli_context=none | 0.62x | 1.25 | 12.0 |")
     assert "moa_tli1 tli_context=target, moa_tli1 tli_context=none: dynamic (depth 6, top-k 8" in md.splitlines()[0]
+
+
+def test_jobs_that_differ_only_in_a_drafter_option_fail_into_their_own_rows(make_cfg, tmp_path):
+    """Two failed jobs of moa_tli_context (tli_context target / none) keep two failure records, each row of the option
+    table says "failed" with its own error, and the one that later finishes clears only its own record."""
+    from specbench.bench import failures
+    from specbench.bench.report.cells import option_key
+
+    cfgs = {ctx: make_cfg("drafter=moa_tli1", "out.experiment=moa_tli_context", f"drafter.module.tli_context={ctx}")
+            for ctx in ("target", "none")}
+    paths = {ctx: failures.record(cfg, RuntimeError(f"broken {ctx}"), []) for ctx, cfg in cfgs.items()}
+    assert paths["target"] != paths["none"]
+    exp = tmp_path / "results" / "moa_tli_context"
+    (setting, cells), = load_failures(exp, option_key("drafter.module.tli_context")).items()
+    assert set(cells) == {("moa_tli1 tli_context=target", "jsonl", 0.0), ("moa_tli1 tli_context=none", "jsonl", 0.0)}
+    report(tmp_path / "results")
+    md = next(exp.glob("tli_context.*.md")).read_text()
+    assert "moa_tli1 tli_context=none on mtbench" not in md  # the table's sets are not the tiny runs' jsonl
+    table = Table("t", "c", ("moa_tli1 tli_context=target", "moa_tli1 tli_context=none"), ("jsonl",), ("tau",),
+                  option="drafter.module.tli_context")
+    md, _ = render(table, {}, setting, cells)
+    assert "| moa_tli1 tli_context=none | failed |" in md and "RuntimeError: broken none" in md.splitlines()[0]
+    failures.clear(cfgs["target"])
+    assert not paths["target"].exists() and paths["none"].exists()

@@ -25,9 +25,10 @@ FAILED = "failed"
 def _identity(cfg: DictConfig) -> dict:
     """The config a table cell is keyed by, in run.json's `config` shape (report.Setting.of and cell_key read it)."""
     part = lambda key: OmegaConf.to_container(cfg[key], resolve=True) if cfg.get(key) is not None else {}
-    drafter = part("drafter")
+    # the drafter whole: two jobs that differ only in a drafter option (moa_tli_context's tli_context, draft_vocab's N)
+    # fail into two records, and a table whose rows are an option's values (report option_key) reads it back
     return {"model": part("model"), "dataset": part("dataset"), "decoding": part("decoding"),
-            "drafter": {"name": drafter.get("name")}, "seed": cfg.get("seed")}
+            "drafter": part("drafter"), "seed": cfg.get("seed")}
 
 
 def failure_path(cfg: DictConfig) -> Path:

@@ -254,12 +254,14 @@ def failed_note(table: Table, failed: dict) -> str:
     return " Failed jobs: " + "; ".join(f"{k[0]} on {label(k[1], k[2])}: {failed[k]['error']}" for k in keys) + "."
 
 
-def load_failures(exp_dir: Path) -> dict[Setting, dict[tuple, dict]]:
-    """Per setting, cell key -> the failure record of a job that failed there (the newest, where several did)."""
+def load_failures(exp_dir: Path, key_of=cell_key) -> dict[Setting, dict[tuple, dict]]:
+    """Per setting, key_of(...) -> the failure record of a job that failed there (the newest, where several did); a
+    record has a run.json's `config`, so it is keyed as a finished run of the same config would be."""
     out: dict[Setting, dict[tuple, dict]] = {}
     for f in failures.load(exp_dir):
         cfg = f["config"]
-        key = (cfg["drafter"]["name"], cfg["dataset"]["name"], float(cfg["decoding"]["temperature"]))
+        key = key_of({"drafter": cfg["drafter"]["name"], "dataset": cfg["dataset"]["name"],
+                      "temperature": cfg["decoding"]["temperature"]}, f)
         cells = out.setdefault(Setting.of(f), {})
         if key not in cells or f["date"] > cells[key]["date"]:
             cells[key] = f

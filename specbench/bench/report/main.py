@@ -25,8 +25,9 @@ def report(results: Path) -> list[Path]:
         if len(options) > 1:
             raise ValueError(f"conf/experiment/{exp_dir.name}.yaml: its tables name different options {sorted(options)}")
         option = next(iter(options), "")
-        settings = load_runs(exp_dir, option_key(option) if option else cell_key) if paper else {}
-        failed = load_failures(exp_dir) if paper else {}
+        key_of = option_key(option) if option else cell_key
+        settings = load_runs(exp_dir, key_of) if paper else {}
+        failed = load_failures(exp_dir, key_of) if paper else {}
         for setting in failed:  # a setting whose every job failed still gets its tables, naming the failures
             settings.setdefault(setting, {})
         for setting, runs in sorted(settings.items()):
