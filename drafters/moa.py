@@ -321,14 +321,19 @@ class MoADrafter(TrainableDrafter):
             raise ValueError(f"tli={opts.tli} must be in [0, {target.model.config.num_hidden_layers})")
         return MoAModule(target, opts).to(target.device)
 
-    # options the module's shape ignores: training's, and drafting's tli_context (the drafter reads the run's own)
-    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight", "tli_context")
+    # options the module's shape ignores: training's
+    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight")
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:
-        """The shaping options; options recorded before `widths` existed (checkpoints and runs before 2026-11-27)
-        were derived by Table 6's ratios, so they rebuild at those."""
-        return {"widths": "table6", **{k: v for k, v in options.items() if k not in cls.TRAINING_ONLY}}
+        """The options decoding depends on: the shaping ones, and drafting's tli_context where it is not the default
+        `target` (it shapes nothing, but a run drafting with `none` must be named apart from one with `target`: the
+        run key reads these; runs recorded before the option keep their names). Options recorded before `widths`
+        existed (checkpoints and runs before 2026-11-27) were derived by Table 6's ratios, so they rebuild at those."""
+        opts = {"widths": "table6", **{k: v for k, v in options.items() if k not in cls.TRAINING_ONLY}}
+        if opts.get("tli_context", "target") == "target":
+            opts.pop("tli_context", None)
+        return opts
 
     @classmethod
     def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:

@@ -220,3 +220,16 @@ def test_options_recorded_before_the_width_sets_rebuild_at_table_6():
     opts = MoADrafter.options(MoADrafter.decoding_options(old))
     assert opts.widths == "table6" and resolve_widths(opts, 576, 9, 3, 384, 6)["ca_kv_heads"] == 3
     assert MoADrafter.options(MoADrafter.decoding_options({**old, "widths": "code"})).widths == "code"
+
+
+def test_a_run_drafting_without_the_tli_context_is_named_apart():
+    """tli_context shapes nothing, but `none` drafts differently from `target`: its runs get their own name (they were
+    resumed as the `target` run's, finished, before), while `target`, the default, keeps the names runs have."""
+    from specbench.bench.run import run_key, run_name
+
+    drafter = {"_target_": "drafters.moa.MoADrafter", "name": "moa_tli1", "module": {"tli": 1, "widths": "code"}}
+    name = lambda module: run_name(run_key({"name": "m"}, {**drafter, "module": {**drafter["module"], **module}},  # noqa: E731
+                                           {"name": "d"}, {"temperature": 0.0}, 1, 0))
+    assert name({"tli_context": "target"}) == name({}) != name({"tli_context": "none"})
+    assert name({"block_min": 3}) == name({})  # a training option is not the run's
+    assert MoADrafter.options(MoADrafter.decoding_options({"tli": 1, "tli_context": "none"})).tli_context == "none"
