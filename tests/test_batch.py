@@ -35,9 +35,10 @@ def test_every_drafter_batched_is_lossless_per_row(name):
         alone = single.generate(prompt, budget)
         # each row's drafter kept its own state: the same trees accepted as at batch 1
         assert row.tokens_per_step == alone.tokens_per_step and row.tree_sizes == alone.tree_sizes
-        # and drafted as alone: each step's tree shape, and the drafter's scores behind it (a dynamic tree's path
+        # and drafted as alone: each step's tree shape and tokens, and the drafter's scores behind it (a dynamic tree's path
         # scores: its logits at every level), up to the rounding of a batched forward
         assert [s.parents for s in row.trace] == [s.parents for s in alone.trace]
+        assert [s.tokens for s in row.trace] == [s.tokens for s in alone.trace]  # row r's proposal is its own
         for mine, own in zip(row.trace, alone.trace):
             if own.priority is not None:
                 torch.testing.assert_close(torch.tensor(mine.priority), torch.tensor(own.priority), rtol=1e-4,

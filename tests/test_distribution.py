@@ -53,6 +53,13 @@ def seeded(cls, t, **kw):
     return cls(t, **kw)
 
 
+def config_drafter(name: str, t: TargetModel):
+    """conf/drafter/<name>.yaml's drafter, untrained (seeded: random but fixed), on this target."""
+    from specbench.tools.gpu_check import make_drafter
+
+    return make_drafter(name, t, "tree.depth=3", "tree.topk=3", "tree.total_tokens=8")
+
+
 def counts(t: TargetModel) -> Path:
     """Token counts ranking ids 6, 1, 4 first (specbench.vocab's file), in a fresh temporary directory."""
     path = Path(tempfile.mkdtemp()) / "token_counts.safetensors"
@@ -103,6 +110,11 @@ DRAFTERS = {
     "sd-dynamic-tree": lambda t: IndependentDrafter(t, module={"init_layers": [0, 1, 2]},
                                                     tree={"kind": "dynamic", "depth": 3, "topk": 3, "total_tokens": 8}),
     "pld-deterministic": lambda t: PromptLookup(num_pred_tokens=4, max_ngram=2),
+    # the drafters with a design of their own (cross-attention over the target's cache, the target's low/mid/high
+    # features): Hydra-composed as tests/test_conformance.py builds them, their dynamic trees cut to 8 tokens
+    "beagle-config": lambda t: config_drafter("beagle", t),
+    "eagle3-config": lambda t: config_drafter("eagle3", t),
+    "moa-config": lambda t: config_drafter("moa", t),
     "tree-iid-siblings": lambda t: RandomTreeDrafter(V, seed=5, sampling=True, max_depth=3, width=3),
     "tree-deterministic": lambda t: RandomTreeDrafter(V, seed=6, sampling=False, max_depth=3, width=3),
 }

@@ -61,6 +61,11 @@ def _order(pri: list[float]):
     return lambda i: (-pri[i], i)  # higher priority first, ties to the earlier node (the policies' stable order)
 
 
+def _traced_step(step: StepTrace) -> dict:
+    """A step as the calibration file keeps it: the tree and its accepted path, not the drafted tokens."""
+    return {k: v for k, v in asdict(step).items() if k != "tokens"}
+
+
 def kept_nodes(step: StepTrace, depth: int, nodes: int, topk: int | None = None) -> set[int]:
     """The nodes of the tree the policy grows with `depth` levels, `nodes` nodes and (dynamic trees) `topk`: replayed
     on the recorded tree by its priorities. A dynamic tree keeps the root's best `topk` children, expands its frontier
@@ -321,7 +326,7 @@ def calibrate_drafter(target, make_drafter: Callable[[dict], Drafter], base: dic
                 overhead, prefill = over, pre
     _, ar_over, ar_prefill, _ = per_step(NoDrafter(), min(new_tokens, 24))
     return DrafterCost(base, draft, overhead, prefill, ar_overhead_s=ar_over, ar_prefill_s=ar_prefill,
-                       trace=[asdict(s) for g in traced for s in g.trace], batch=batch)
+                       trace=[_traced_step(s) for g in traced for s in g.trace], batch=batch)
 
 
 @dataclass

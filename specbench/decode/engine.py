@@ -39,6 +39,7 @@ class StepTrace:
     parents: list[int]  # the drafted tree, -1 = the root
     priority: list[float] | None  # the policy's preference per node (DraftTree.priority), None = node order
     path: list[int]  # the accepted nodes, root's child first
+    tokens: list[int] | None = None  # the drafted tokens (tests compare a batched row's drafts with its lone ones)
 
 
 TREE_ROOM = 256  # cache positions past prompt + budget: one drafted tree before its compaction
@@ -134,7 +135,8 @@ class BatchGeneration:
 class Engine:
     def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False,
                  ragged: bool = False):
-        """trace=True keeps every step's tree and accepted path (one more host read per step: calibration only).
+        """trace=True keeps every step's tree, drafted tokens and accepted path (host reads of each row's tokens and
+        priorities per step: calibration and tests only).
         ragged=True (decoding.ragged): a batch of one prompt goes through the batch's path too (a preallocated cache
         of ragged rows, per-row masks and positions, the drafters' ragged caches), so that B = 1 and B > 1 differ only
         by batching; the default keeps batch 1 on the target's cache kind and the causal mask."""
@@ -173,7 +175,8 @@ class Engine:
         gen.chain &= is_chain(parents)
         if self.trace:
             priority = tree.priority[row, : len(parents)].tolist() if tree.priority is not None else None
-            gen.trace.append(StepTrace(parents, priority, path))
+            tokens = tree.tokens[row, : len(parents)].tolist()
+            gen.trace.append(StepTrace(parents, priority, path, tokens))
         _count_depths(gen, parents, path)
 
     @torch.inference_mode()
