@@ -280,7 +280,8 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     # long as its longest row) over its rows' mean steps, from the records
     lines = md.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("**How long a batch waits"))
-    waits = {tuple(w[:2]): w[2:] for w in (line.split(" | ") for line in lines[start:] if line.startswith("| "))}
+    end = next(i for i, line in enumerate(lines) if line.startswith("**Where a row-step's time goes"))
+    waits = {tuple(w[:2]): w[2:] for w in (line.split(" | ") for line in lines[start:end] if line.startswith("| "))}
     recs = [r for run in exp.glob("*__pld__*") for r in read_jsonl(run / "records.jsonl") if r.get("batch")]
     steps = {b: [r["steps"] for r in recs if r["batch"]["id"] == b] for b in {r["batch"]["id"] for r in recs}}
     assert all(r["batch"]["steps"] == max(steps[r["batch"]["id"]]) for r in recs)
@@ -291,6 +292,14 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     assert waits[("| pld (paper)", "mtbench")] == ["–", f"{forwards / sum(map(statistics.mean, steps.values())):.2f} "
                                                         f"({spread:.2f}) |"]
     assert waits[("| none", "mtbench")][0] == "–" and float(waits[("| none", "mtbench")][1].split()[0]) >= 1.0
+    # draft / verify ms per row-step: the batch's shared time over its rows' steps (summary.json), per B
+    times = {tuple(w[:2]): w[2:] for w in (line.split(" | ") for line in lines[end:] if line.startswith("| "))}
+    for run in exp.glob("*__pld__*"):
+        s = json.loads((run / "summary.json").read_text())
+        b = json.loads((run / "run.json").read_text())["config"]["decoding"]["batch_size"]
+        assert times[("| pld (paper)", "mtbench")][b - 1].rstrip(" |") == \
+            f"{s['draft_ms_per_step']:.1f} / {s['verify_ms_per_step']:.1f}"
+    assert all(c.startswith("– / ") for c in times[("| none", "mtbench")])
 
 
 def test_the_two_baselines_table(tmp_path, tiny_checkpoint):

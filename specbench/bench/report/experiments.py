@@ -138,7 +138,7 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
         head = ["method", "dataset", "tree"] + [f"B={b}" for b in sizes] + ["< 1.0x from B on", "predicted"]
-        rows, use_rows, wait_rows = [], [], []
+        rows, use_rows, wait_rows, time_rows = [], [], [], []
         for ds in datasets:
             for d in drafters:
                 for variant in ("paper", "auto"):
@@ -155,6 +155,9 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                                                                 f"{cell(r, 'speed')} / {cell(r, 'mem')}"
                                                                 for r in runs.values()])
                     wait_rows.append([f"{d} ({variant})", ds] + [_wait(_records(exp_dir, r)) for r in runs.values()])
+                    time_rows.append([f"{d} ({variant})", ds] + [MISSING if r is None else
+                                                                 f"{cell(r, 'draft_ms')} / {cell(r, 'verify_ms')}"
+                                                                 for r in runs.values()])
         base_head = ["dataset"] + [f"B={b}" for b in sizes]
         base_rows = []
         for ds in datasets:
@@ -165,11 +168,13 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
             base_rows.append([f"{ds}: peak memory (GiB)"] + [cell(r, "mem") for r in bases.values()])
             base_rows.append([f"{ds}: turns ≠ batch 1"] + [_differ(one, _token_ids(r)) for r in recs.values()])
             wait_rows.append(["none", ds] + [_wait(r) for r in recs.values()])
+            time_rows.append(["none", ds] + [MISSING if r is None else f"– / {cell(r, 'verify_ms')}"
+                                             for r in bases.values()])
         used = list(cells.values())
         caption = (f"Speedup (per-row τ) against the baseline at the same batch size B (decoding.batch_size: B questions "
                    f"decoded together, each row its own tree, one target forward verifying all rows; speed = the "
                    f"batch's throughput), T=0, at each drafter's paper tree and at tree=auto sized per B (the cost "
-                   f"model times B x (tree + 1) tokens per forward and B drafters per step); {setting.describe()}. "
+                   f"model times B x (tree + 1) tokens per forward and the batch's draft per step); {setting.describe()}. "
                    f"'≠k/n': k of the n compared turns differ from the baseline's at the same B (each classified in "
                    f"its record, near-tie or mismatch, by replaying both runs' own batches). 'predicted': the same "
                    f"column from the cost model's predicted speedups (each B's tree=auto run: its chosen tree for the "
@@ -193,7 +198,13 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
             "parentheses: the ratio expected if each batch held any B of the run's turns, each taking the steps it "
             "took (the largest of B of them over their mean): the part of the wait that the questions' spread in "
             "acceptance explains, without any step-to-step noise. B = 1: –.",
-            ["method (tree)", "dataset"] + [f"B={b}" for b in sizes], wait_rows)
+            ["method (tree)", "dataset"] + [f"B={b}" for b in sizes], wait_rows) + [""] + md_table(
+            "Where a row-step's time goes: Td / Tv, the batch's draft / verify ms of a step over the rows in it "
+            "(summed over the run's batches, over its rows' steps: specbench/core/metrics.py draft_ms_per_step). "
+            "Drafting that batches well makes Td fall as B grows (one forward per draft level for every row); "
+            "the baseline's Tv is a one-token forward's share. Times of one sitting; compare across B only within "
+            "one sitting's runs (the provenance line gives their commits).",
+            ["method (tree)", "dataset"] + [f"B={b}" for b in sizes], time_rows)
         written.append(write_md(exp_dir / f"{table.name}.{stem}.md", md))
         if figure:
             figure_batch(cells, sizes, datasets[0] if datasets else None, exp_dir / f"batch.{stem}.png")
