@@ -27,6 +27,14 @@ at decoding time): drafted rows are scored by the N rows of the target's LM head
 tokens (specbench.vocab, counted from the training answers) and scattered back into the vocabulary, -inf elsewhere.
 The head's weights are unchanged and the target verifies every drafted token, so the output is unchanged (lossless);
 what changes is the draft time (N of V rows per drafted row) and tau (a token outside the N cannot be drafted).
+
+Deviations from the authors' code (docs/drafters.md):
+- feature noise: the paper's U(-0.1, 0.1); their code's (rand - 0.5) * 0.2 * 512 / T depends on the sequence length T
+  (equal at T = 512, wider below);
+- loss mask: a position trains when the token its feature predicts is an answer token, two positions apart from theirs;
+- the committed eagle / eagle2 / coral / coral_router weights were trained with weight decay 0.0, before the family's
+  became their 0.01 (a shrink of ~0.2% in all at this budget);
+- the optimiser is the budget's (conf/train: peak lr 3e-4, cosine), as every method's; theirs 3e-5 for 20 epochs.
 """
 from __future__ import annotations
 

@@ -43,14 +43,17 @@ Where we differ, and why:
     K/V of every layer, so the on-policy mask costs nothing here.
   - lr schedule: the budget's (warm-up, cosine) as every method's; theirs warms up to 20 x lr and decays to lr over
     one epoch, then stays there.
+  - block lengths: their code's randint(6, 15), 6..14 (Table 6: U{5..15});
   - widths: their code's ratios to Llama-3-8B (WIDTHS["code"], the default; Table 6's differ in five of six and
     are `widths: table6`), scaled to the target with K/V heads rounded to a divisor of the query heads. Their rule
     for the LSA (the target's 9 query heads at width 2 E_kv = 384) gives a head size of 42.7 on SmolLM2; we take
     heads of 64, the head size of their own Llama-3-8B instance (2048 / 32): 6.
   - TLI while drafting (tli_context): the paper's Algorithm 1 (the TLI layers attend to the target's cached K/V of
     verified tokens and the drafted path's) by default; their inference code runs the TLI layers without any cache
-    (`use_cache=False`: a drafted row sees only itself and its level's siblings, which its tree mask hides), which
-    `tli_context: none` reproduces. Training is the paper's either way (see the first item).
+    (`use_cache=False`), and `tli_context: none` runs them so: a drafted row sees only itself. In theirs a row at level
+    >= 2 may also see its level's siblings (transformers < 4.46 cut the tree mask to the key length); ours does not.
+    Measured (make bench EXPERIMENT=moa_tli_context, docs/results.md): the six sets' mean tau 1.50 either way.
+    Training is the paper's either way (see the first item).
 model.compile: the same steps as compiled regions on static caches (the new activations, the SA over the new verified
 tokens, the whole tree; `_propose_static`), drafting the eager path's trees.
 """
