@@ -22,6 +22,10 @@ elsewhere (Eq. 8). Only the active groups' rows of the LM head are multiplied. R
 against the target's probability mass per group, sum_{x in g} p(x); trained in a second stage on the frozen CORAL head
 (the head runs its n harmonized steps so the router sees the features it meets while drafting). Paper: N=16, top-2.
 Drafting stays lossless: the router only changes which tokens are proposed; verification is the engine's.
+
+Deviations (CORAL names no code of its own; docs/drafters.md): the earlier views enter CSRA detached (above); Eq. 2's
+positives enter as one sum inside the log; training attention is additive (HASS's `authors` form is HASS's option
+only); the budget's peak lr 3e-4 and cosine (the paper trains at 3e-5, as EAGLE and HASS do).
 """
 from __future__ import annotations
 

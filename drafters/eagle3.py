@@ -32,7 +32,10 @@ Deviations from the authors' code (stated):
   loss_mask[t+i], two positions earlier (see docs/drafters.md);
 - each step's loss is divided by the number of real positions (theirs: by every position of the padded batch);
 - a head trained here uses the target's RoPE base (`rope_theta: null`); the authors' configs carry none and their code
-  uses 10000, which a published head's config gets when it carries none.
+  uses 10000, which a published head's config gets when it carries none;
+- the draft vocabulary's size N follows a stated rule (conf/drafter/eagle3.yaml: the fewest ids covering 99.5% of
+  the training answers' tokens, rounded up to a multiple of 1,024: 10,240 on SmolLM2), not the authors' fixed 32,000
+  (a quarter of Llama-3's vocabulary).
 The budget's optimiser is every method's (conf/train); the authors' (lr 5e-5, warm-up 12k steps, 40 epochs, fp16) is
 for their data.
 

@@ -32,6 +32,9 @@ with the same -inf mask as drafting. Drafting is additive either way.
 Feature noise: the authors' `main_hass.py` (as EAGLE's `main.py`) draws (rand - 0.5) * 0.2 * 512 / T on the input
 features, T the sequence's length (uniform of half-width 51.2 / T: 0.1 at T = 512); here, as for EAGLE, the paper's
 U(-0.1, 0.1) (conf/drafter/hass.yaml: optim.noise), the same at T = 512 and independent of the length.
+Other deviations from the authors' code (docs/drafters.md): the budget's peak lr 3e-4 and 1e-4 for the Top-K stage
+(theirs 3e-5 and 1e-5, the same 3:1), and the budget's schedule shape (20 warm-up steps, cosine) where theirs is linear
+with 1% warm-up in both stages; the concatenated-steps forward above.
 """
 from __future__ import annotations
 

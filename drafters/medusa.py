@@ -6,8 +6,12 @@ token y_{t+k+1} (the target's own LM head predicts y_{t+1}). Loss (Medusa-1, fro
 With `labels: target` (self-distillation, the Medusa paper's recipe when the training text is not the model's own)
 the CE is taken against the target's own next-token distribution at y_{t+k+1}'s position, softmax(LMHead(h_{t+k})),
 instead of the one-hot ground-truth token; the features already hold h_{t+k}, so this costs no generation.
-Deviation from the paper: all heads share the target's frozen LM head as W2 (a separate 49,152 x 576 head per
-Medusa head would be 28M parameters each on the embedded target); only the W1_k are trained.
+`MedusaOptions.labels` defaults to `ground_truth` (the authors' Medusa-1 training on ShareGPT's tokens); the YAML sets
+`target`, which docs/drafters.md lists as a deviation: ShareGPT is not SmolLM2's own text.
+Deviations from the paper / the authors' Medusa-1 command: all heads share the target's frozen LM head as W2 (a separate 49,152 x 576 head per
+Medusa head would be 28M parameters each on the embedded target); only the W1_k are trained. The loss weights are
+the paper's 0.8^k (their `train_legacy.py` sums the heads' CE unweighted), the warm-up is the budget's 20 steps (their
+command: 10% of the steps).
 
 Decoding: in our engine the root x_t has not been through the target yet, so the heads read h_{t-1} (the last
 hidden state the engine handed over), whose head k predicts x_{t+k}, i.e. tree depth k. Candidates form a sparse

@@ -54,6 +54,10 @@ Where we differ, and why:
     >= 2 may also see its level's siblings (transformers < 4.46 cut the tree mask to the key length); ours does not.
     Measured (make bench EXPERIMENT=moa_tli_context, docs/results.md): the six sets' mean tau 1.50 either way.
     Training is the paper's either way (see the first item).
+  - loss weighting: the mean over every answer token of the budget's batch of 2 (longer answers weigh more); theirs
+    is one sequence per micro-batch (`mini_batch_size: 1`, 32 accumulated), each sequence weighing the same.
+  - target layers: the TLI layers run the target's own weights through a functional restatement of the Llama decoder
+    layer (drafters/layers.py: target_layer), because the drafter may not touch the target's cache.
 model.compile: the same steps as compiled regions on static caches (the new activations, the SA over the new verified
 tokens, the whole tree; `_propose_static`), drafting the eager path's trees.
 """
