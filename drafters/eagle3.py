@@ -30,7 +30,8 @@ vocabulary are dropped (the authors' position_mask).
 Deviations from the authors' code (stated):
 - the loss mask is the predicted token's (x[t+2+i] an answer token), as for the whole EAGLE family here; theirs is
   loss_mask[t+i], two positions earlier (see docs/drafters.md);
-- each step's loss is divided by the number of real positions (theirs: by every position of the padded batch);
+- each step's loss is divided by the number of real positions (theirs: by every position of the padded batch;
+  `module.loss_norm: padded` trains theirs);
 - a head trained here uses the target's RoPE base (`rope_theta: null`); the authors' configs carry none and their code
   uses 10000, which a published head's config gets when it carries none;
 - the draft vocabulary's size N follows a stated rule (conf/drafter/eagle3.yaml: the fewest ids covering 99.5% of
@@ -217,9 +218,16 @@ class Eagle3Options:
     rope_theta: float | None = None  # None: the target's (a published head without one: 10000, the authors' code)
     steps: int = 7  # TTT steps (the authors' `self.length = 7`)
     step_weight: float = 0.8  # step i's loss weight step_weight ** i (the authors' main.py)
+    # each step's summed CE over: real = the batch's real positions; padded = every position of the padded batch (the
+    # authors' `.mean()`), which weighs a batch by its share of padding (and so moves what norm clipping cuts)
+    loss_norm: str = "real"
+
+    def __post_init__(self):
+        if self.loss_norm not in ("real", "padded"):
+            raise SpecbenchError(f"eagle3 loss_norm={self.loss_norm!r} is not one of real, padded")
 
 
-TRAINING_ONLY = ("steps", "step_weight", "draft_vocab_coverage", "draft_vocab_multiple")  # options decoding ignores
+TRAINING_ONLY = ("steps", "step_weight", "draft_vocab_coverage", "draft_vocab_multiple", "loss_norm")  # options decoding ignores
 
 
 def head_config(target, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float):
@@ -443,6 +451,7 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         real = batch.attn_mask[:, :n].bool()
         draft_ids = module.draft_ids
         loss, parts = 0.0, {}
+        denom = real.sum().clamp(min=1) if opts.loss_norm == "real" else real.numel()
         for i, h in enumerate(module.ttt(target.decoder.embed_tokens, ids, batch.layers[:, :n], real, opts.steps)):
             # step i at position t predicts x[t+2+i]; the target's law for it comes from its hidden state at t+1+i
             m = max(0, n - 1 - i)
@@ -451,7 +460,7 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
             keep = module.t2d[full.argmax(-1)]  # the authors' position_mask: the target's top-1 is draftable
             p = full[keep][:, draft_ids].softmax(-1)
             logq = module.draft_logits(h[:, :m][rows][keep]).float().log_softmax(-1)
-            ce = -(p * logq).sum(-1).sum() / real.sum().clamp(min=1)
+            ce = -(p * logq).sum(-1).sum() / denom
             loss = loss + opts.step_weight ** i * ce
             parts[f"ce{i}"] = ce.item()
             parts[f"top{i}"] = (logq.argmax(-1) == p.argmax(-1)).float().mean().item() if p.shape[0] else 0.0

@@ -103,6 +103,15 @@ def test_the_loss_is_over_the_draft_vocabulary_and_skips_undraftable_targets():
     assert loss.item() > 0 and {"ce0", "ce1", "top0", "top1"} <= set(parts)
     loss.backward()
     assert head.fc.weight.grad is not None and head.d2t.grad is None
+    # loss_norm: the authors' mean over the padded batch weighs the same sum by real / all positions
+    attn = torch.ones_like(ids)
+    attn[0, 7:] = 0
+    padded = Batch(ids, attn, attn, hidden, hidden, layers=batch.layers)
+    real = Eagle3Drafter.training_loss(head, padded, target, opts)[0]
+    theirs = Eagle3Drafter.training_loss(head, padded, target, Eagle3Options(draft_vocab=8, steps=2, loss_norm="padded"))[0]
+    torch.testing.assert_close(theirs, real * 7 / 9)  # 7 real of the 9 positions that predict
+    with pytest.raises(SpecbenchError, match="loss_norm='mean' is not one of real, padded"):
+        Eagle3Options(loss_norm="mean")
 
 
 def write_authors_head(path, target, draft_ids, seed=0, **config):

@@ -523,12 +523,34 @@ def test_trainer_on_self_distilled_answers(make_cfg, tmp_path, sharegpt_file, mo
         Trainer(make_cfg("drafter=sd", *train_overrides(tmp_path, sharegpt_file, **{"train.answers": "bogus"}))).run()
 
 
-def test_grad_clip_mode_is_checked_and_value_clipping_clamps(make_cfg, tmp_path, sharegpt_file):
+def test_grad_clip_mode_and_noise_are_checked_and_value_clipping_clamps(make_cfg, tmp_path, sharegpt_file):
     with pytest.raises(SpecbenchError, match="grad_clip_mode"):
         Trainer(make_cfg("drafter=eagle", *train_overrides(tmp_path, sharegpt_file, **{"train.grad_clip_mode": "both"})))
+    with pytest.raises(SpecbenchError, match="train.noise='rand'"):  # refused before features or training
+        Trainer(make_cfg("drafter=eagle", *train_overrides(tmp_path, sharegpt_file, **{"drafter.optim.noise": "rand"})))
     final = Trainer(make_cfg("drafter=eagle", *train_overrides(tmp_path, sharegpt_file, **{
         "train.epochs": 1, "train.grad_clip_mode": "value", "train.grad_clip": 0.01}))).run()
     assert read_meta(final)["train"]["grad_clip_mode"] == "value"
+
+
+def test_feature_noise_kinds_bound_and_placement():
+    """uniform: |noise| <= s; uniform_by_length (EAGLE's and HASS's code): <= s * 512 / T with T each row's own length,
+    so the shorter row's noise is wider; gaussian has spread s; pads stay clean; an unknown kind is named."""
+    from specbench.train.trainer import Batch, add_noise
+
+    attn = torch.tensor([[1] * 8, [1] * 4 + [0] * 4])
+    b = Batch(torch.zeros(2, 8, dtype=torch.long), attn, attn, torch.zeros(2, 8, 4096))
+    add_noise(b, "uniform", 0.1, torch.Generator().manual_seed(0))
+    assert b.hidden_in.abs().max() <= 0.1 and b.hidden_in.abs().max() > 0.09 and b.hidden_in[1, 4:].eq(0).all()
+    add_noise(b, "uniform_by_length", 0.1, torch.Generator().manual_seed(0))
+    row0, row1 = b.hidden_in[0].abs().max(), b.hidden_in[1, :4].abs().max()
+    assert 6.0 < row0 <= 0.1 * 512 / 8 and 12.0 < row1 <= 0.1 * 512 / 4 and b.hidden_in[1, 4:].eq(0).all()
+    add_noise(b, "gaussian", 0.2, torch.Generator().manual_seed(0))
+    assert abs(b.hidden_in[0].std().item() - 0.2) < 0.01
+    add_noise(b, "none", 0.2, torch.Generator())
+    assert b.hidden_in is b.hidden
+    with pytest.raises(SpecbenchError, match="train.noise='rand' is not one of none, uniform, uniform_by_length"):
+        add_noise(b, "rand", 0.1, torch.Generator())
 
 
 @pytest.mark.parametrize(("n", "world"), [(7, 2), (9, 4), (8, 2), (1, 3)])

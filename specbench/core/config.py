@@ -111,7 +111,9 @@ class TrainConfig:
     # value = clamp every gradient element to +-grad_clip (EAGLE's and HASS's `clip_grad_value_`); norm = rescale the
     # whole gradient to norm <= grad_clip (torch's clip_grad_norm_; what the budgets before 2026-11 used)
     grad_clip_mode: str = "norm"
-    noise: str = "none"  # none | uniform (EAGLE: U(-s, s)) | gaussian (Beagle: N(0, s)) on the target features
+    # on the target features: none | uniform (EAGLE's paper: U(-s, s)) | uniform_by_length (EAGLE's and HASS's code:
+    # U(-s, s) x 512 / T, T the row's length) | gaussian (Beagle: N(0, s))
+    noise: str = "none"
     noise_scale: float = 0.0
     precision: str = "fp32"  # fp32 (TF32 matmuls on CUDA) | bf16 (autocast)
     features_dtype: str = "bfloat16"

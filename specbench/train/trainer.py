@@ -111,18 +111,33 @@ def collate(items: list[dict], device: torch.device | str = "cpu") -> Batch:
     return Batch(ids.to(device), loss.to(device), attn.to(device), hid, hid, kv, pre)
 
 
+NOISE_KINDS = ("none", "uniform", "uniform_by_length", "gaussian")
+# the sequence length at which the authors' length-scaled noise equals U(-s, s): EAGLE's and HASS's `AddUniformNoise`
+# draws (rand - 0.5) * 0.2 * 512 / T, i.e. U(-0.1, 0.1) scaled by 512 / T
+NOISE_REFERENCE_LEN = 512
+
+
+def check_noise(kind: str) -> None:
+    if kind not in NOISE_KINDS:
+        raise SpecbenchError(f"train.noise={kind!r} is not one of {', '.join(NOISE_KINDS)}")
+
+
 def add_noise(batch: Batch, kind: str, scale: float, gen: torch.Generator) -> None:
-    """EAGLE: uniform U(-s, s); Beagle: gaussian N(0, s); on the target features only."""
+    """On the target features only (pads stay clean). uniform: U(-s, s), the EAGLE paper's; uniform_by_length: the
+    EAGLE / HASS authors' code, U(-s, s) x 512 / T with T each row's own length (wider on shorter sequences: 1.33x at
+    the budget's 384 tokens); gaussian: N(0, s), Beagle's."""
+    check_noise(kind)
     if kind == "none" or scale == 0:
         batch.hidden_in = batch.hidden
         return
     shape, dev = batch.hidden.shape, batch.hidden.device
-    if kind == "uniform":
-        noise = (torch.rand(shape, generator=gen) * 2 - 1) * scale
-    elif kind == "gaussian":
+    if kind == "gaussian":
         noise = torch.randn(shape, generator=gen) * scale
     else:
-        raise SpecbenchError(f"train.noise={kind!r} is not one of none, uniform, gaussian")
+        noise = (torch.rand(shape, generator=gen) * 2 - 1) * scale
+        if kind == "uniform_by_length":
+            lengths = batch.attn_mask.sum(1).clamp(min=1).float().cpu()  # [B] each row's real tokens
+            noise = noise * (NOISE_REFERENCE_LEN / lengths)[:, None, None]
     batch.hidden_in = batch.hidden + noise.to(dev) * batch.attn_mask[..., None]
 
 
@@ -411,6 +426,7 @@ class Trainer:
         self.tc: TrainConfig = to_dataclass(TrainConfig, OmegaConf.merge(OmegaConf.to_container(cfg.train, resolve=True),
                                                                       optim))
         lr_at(0, self.tc, 1)  # a bad lr_schedule fails here, before features or training
+        check_noise(self.tc.noise)
         if self.tc.grad_clip_mode not in ("value", "norm"):
             raise SpecbenchError(f"train.grad_clip_mode={self.tc.grad_clip_mode!r} is not one of value, norm")
         self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
