@@ -227,7 +227,8 @@ class Eagle3Options:
             raise SpecbenchError(f"eagle3 loss_norm={self.loss_norm!r} is not one of real, padded")
 
 
-TRAINING_ONLY = ("steps", "step_weight", "draft_vocab_coverage", "draft_vocab_multiple", "loss_norm")  # options decoding ignores
+# options decoding ignores
+TRAINING_ONLY = ("steps", "step_weight", "draft_vocab_coverage", "draft_vocab_multiple", "loss_norm")
 
 
 def head_config(target, hidden: int, heads: int, kv_heads: int, intermediate: int, eps: float, theta: float):

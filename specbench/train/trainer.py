@@ -135,10 +135,10 @@ def add_noise(batch: Batch, kind: str, scale: float, gen: torch.Generator) -> No
         noise = torch.randn(shape, generator=gen) * scale
     else:
         noise = (torch.rand(shape, generator=gen) * 2 - 1) * scale
-        if kind == "uniform_by_length":
-            lengths = batch.attn_mask.sum(1).clamp(min=1).float().cpu()  # [B] each row's real tokens
-            noise = noise * (NOISE_REFERENCE_LEN / lengths)[:, None, None]
-    batch.hidden_in = batch.hidden + noise.to(dev) * batch.attn_mask[..., None]
+    noise = noise.to(dev) * batch.attn_mask[..., None]
+    if kind == "uniform_by_length":  # on the device: no host read of the rows' lengths
+        noise = noise * (NOISE_REFERENCE_LEN / batch.attn_mask.sum(1).clamp(min=1))[:, None, None]
+    batch.hidden_in = batch.hidden + noise
 
 
 def validation_data(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, val_convs) -> list[Encoded]:
