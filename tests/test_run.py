@@ -360,6 +360,37 @@ def test_training_settings_do_not_name_a_run_but_the_weights_do(make_cfg):
     assert Runner(cfg4).run_dir_for(cfg4.drafter)[0].path == Runner(cfg5).run_dir_for(cfg5.drafter)[0].path
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_paired_run_times_the_baseline_beside_each_turn(make_cfg, size):
+    """bench.paired: the baseline decodes each turn's prompts again beside the drafter (the same members, budgets and
+    seeds; first at every other turn), and the speedup is against those times; the baseline run's ratio is kept. A
+    run resumed across the option (a decoded turn without its pair) falls back to the baseline run."""
+    from specbench.bench.report.cells import provenance
+    from specbench.core.metrics import paired_speed, per_repeat_speed, summarize
+
+    runner = Runner(make_cfg("drafter=pld", "bench.paired=true", f"decoding.batch_size={size}"))
+    run = runner.execute()
+    recs = read_jsonl(run.records_path)
+    summary = json.loads(run.summary_path.read_text())
+    assert summary["lossless"]["matches"] == 4 and summary["speedup_against"] == "paired"
+    pairs = list({r["batch"]["id"]: r["batch"]["paired"] for r in recs}.values()) if size > 1 else [r["paired"] for r in recs]
+    assert len(pairs) == (3 if size > 1 else 4) and runner._pairs == len(pairs)  # one pair per decode, none twice
+    assert sum(p["new_tokens"] for p in pairs) == sum(r["new_tokens"] for r in recs)  # T=0: the same tokens
+    assert all(p["wall_s"] > 0 for p in pairs)
+    paired = sum(p["new_tokens"] for p in pairs) / sum(p["wall_s"] for p in pairs)
+    assert summary["paired_baseline_tokens_per_s"] == pytest.approx(paired)
+    assert summary["speedup"]["mean"] == pytest.approx(per_repeat_speed(recs)[0] / paired)
+    base = read_jsonl(run.path.parent / summary["baseline_run"] / "records.jsonl")
+    assert summary["speedup_vs_baseline_run"]["mean"] == pytest.approx(per_repeat_speed(recs)[0] / per_repeat_speed(base)[0])
+    assert not any("paired" in r or "paired" in (r.get("batch") or {}) for r in base)  # the baseline is not paired
+    mixed = [{k: v for k, v in r.items() if k != "paired"} if i == 0 else r for i, r in enumerate(recs)]
+    if size == 1:
+        assert paired_speed(mixed) is None and "speedup_against" not in summarize(mixed, base)
+    heads = [{**summary, "_head": json.loads(run.run_json.read_text())}]
+    assert provenance(heads).endswith("(bench.paired) in 1 of 1 drafted runs")
+    assert "bench.paired" not in provenance([{**h, "speedup_against": None} for h in heads])
+
+
 @pytest.mark.parametrize("drafter", ["sd", "eagle2"])
 def test_a_batched_run_is_lossless_per_row_against_its_batched_baseline(make_cfg, drafter):
     """decoding.batch_size=2: the 3 questions in batches of 2 then 1, turn by turn (question 1's second turn alone);

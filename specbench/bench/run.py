@@ -28,7 +28,7 @@ from specbench.decode.compiled import compiled_graphs
 from specbench.bench.divergence import first_divergence
 from specbench.core.config import BenchConfig, DatasetConfig, DecodingConfig, ModelConfig, register_schema, to_dataclass
 from specbench.data.data import Question, load_questions
-from specbench.decode.engine import TREE_ROOM, Engine, Generation
+from specbench.decode.engine import TREE_ROOM, BatchGeneration, Engine, Generation
 from specbench.errors import SpecbenchError
 from specbench.core.metrics import PeakMemory, summarize
 from specbench.core.models import chat_prompt_ids, load_model, pick_dtype, sdpa_context
@@ -203,6 +203,7 @@ class Runner:
         self.identity = model_identity(self.model_cfg, device, self.target.dtype)
         self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
         self.tree_auto: dict | None = None  # tree=auto: the chosen tree and its prediction (run.json)
+        self._pairs = 0  # bench.paired: turn pairs decoded so far (the odd ones run the baseline first)
         self.paper_tree = OmegaConf.to_container(cfg.paper_tree, resolve=True) if cfg.get("paper_tree") else None
         tree = OmegaConf.to_container(cfg.tree, resolve=True) if cfg.get("tree") is not None else None
         self.global_auto = tree if is_auto(tree) else None  # tree=auto: also tunes drafters without ${tree}
@@ -384,13 +385,18 @@ class Runner:
             self.target.new_cache(most, ragged=self.decoding.ragged)
             if size > 1:
                 self.target.new_cache(most, batch=size, ragged=True)
+        # bench.paired: the baseline decoded beside each timed turn (same prompts, budgets and seeds), so that the
+        # speedup is a ratio of times taken seconds apart, whatever the host's speed does over the sitting
+        pair = (Engine(self.target, NoDrafter(self.target), self.decoding.sampling(), ragged=self.decoding.ragged)
+                if self.bench.paired and not isinstance(engine.drafter, NoDrafter) else None)
         for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches
             ids = self.prompt_ids(todo[0][1], 0, [])
-            rng = torch.Generator(dev).manual_seed(self.cfg.seed)
-            if size == 1:
-                engine.generate(ids, min(self.budget(len(ids)), 32), rng, context)
-            else:
-                engine.generate_batch([ids] * size, min(self.budget(len(ids)), 32), [rng] * size, context)
+            for e in (engine, pair) if pair is not None else (engine,):
+                rng = torch.Generator(dev).manual_seed(self.cfg.seed)
+                if size == 1:
+                    e.generate(ids, min(self.budget(len(ids)), 32), rng, context)
+                else:
+                    e.generate_batch([ids] * size, min(self.budget(len(ids)), 32), [rng] * size, context)
         groups = batches(todo, self.questions, size)
         total = sum(len(q.turns) for _, q in todo)
         warm_pass = (self.bench.warm_pass if self.bench.warm_pass is not None
@@ -406,7 +412,7 @@ class Runner:
                 with tqdm(total=sum(len(q.turns) for g in warm for _, q in g), desc=f"{label} warm pass", unit="turn",
                           dynamic_ncols=True) as bar:
                     for group in warm:
-                        for turn in self._turns(engine, group, context):
+                        for turn in self._turns(engine, group, context, pair=pair):
                             bar.update(len(turn.members))
                 if compiled is None or compiled.capacity == held:
                     break
@@ -415,7 +421,7 @@ class Runner:
             for group in groups:
                 rows: dict[str, list[dict]] = {q.question_id: [] for _, q in group}
                 graphs = compiled_graphs()
-                for turn in self._turns(engine, group, context, mem):
+                for turn in self._turns(engine, group, context, mem, pair):
                     built = compiled_graphs() - graphs  # graphs compiled inside this timed turn (model.compile)
                     timed_built += built
                     for i, (repeat, q) in enumerate(turn.members):
@@ -427,6 +433,8 @@ class Runner:
                                                 diverged=any(r["first_divergence"] is not None for r in qrows))
                         if turn.batch is not None and i in turn.gens:
                             row["batch"] = turn.batch
+                        elif turn.paired is not None and i in turn.gens:
+                            row["paired"] = turn.paired
                         if self.target.compiled is not None:
                             row["graphs_compiled"] = built
                         qrows.append(row)
@@ -450,35 +458,62 @@ class Runner:
             most = max(most, prompt + n * (self.decoding.max_new_tokens + 32) + TREE_ROOM)
         return min(most, context) if context else most
 
-    def _turns(self, engine: Engine, group: list, context: int | None, mem: PeakMemory | None = None):
+    def _turns(self, engine: Engine, group: list, context: int | None, mem: PeakMemory | None = None,
+               pair: Engine | None = None):
         """Decode one batch group's conversations turn by turn (a later turn's prompt holds the question's earlier
-        answers); yields each turn's DecodedTurn. `mem`: peak memory measured per turn."""
-        dev, size = self.target.device, self.decoding.batch_size
+        answers); yields each turn's DecodedTurn. `mem`: peak memory measured per turn (over the drafted decode only).
+        `pair` (bench.paired): the baseline engine, run on the same prompts, budgets and seeds beside each turn,
+        before it at every other turn (a drift of the host's speed within a turn pair then favours neither)."""
+        size = self.decoding.batch_size
         answers: dict[str, list[str]] = {q.question_id: [] for _, q in group}
         for turn in range(max(len(q.turns) for _, q in group)):
             members = [(r, q) for r, q in group if turn < len(q.turns)]
             prompts = [self.prompt_ids(q, turn, answers[q.question_id]) for _, q in members]
             budgets = [self.budget(len(ids)) for ids in prompts]
-            rngs = [torch.Generator(dev).manual_seed(turn_seed(self.cfg.seed, r, q.question_id, turn))
-                    for r, q in members]
+            seeds = [turn_seed(self.cfg.seed, r, q.question_id, turn) for r, q in members]
             live = [i for i, b in enumerate(budgets) if b > 0]
+            paired = None
+            baseline_first = pair is not None and live and self._pairs % 2 == 1
+            if baseline_first:
+                paired = self._paired(pair, prompts, budgets, seeds, live, context)
             if mem is not None:
                 mem.reset()
-            gens: dict[int, Generation] = {}
-            batch = None
-            if size == 1 and live:
-                gens[0] = engine.generate(prompts[0], budgets[0], rngs[0], context)
-            elif live:
-                out = engine.generate_batch([prompts[i] for i in live], [budgets[i] for i in live],
-                                            [rngs[i] for i in live], context)
-                gens = dict(zip(live, out.rows))
-                batch = {"id": f"{members[0][0]}/{members[0][1].question_id}/{turn}", "size": len(live),
-                         "wall_s": out.wall_s, "steps": out.steps}
+            gens, out = self._decode_turn(engine, prompts, budgets, seeds, live, context)
             peak = mem.read() if mem is not None else {}
-            yield DecodedTurn(turn, members, prompts, budgets, gens, batch, peak)
+            if pair is not None and live and not baseline_first:
+                paired = self._paired(pair, prompts, budgets, seeds, live, context)
+            if pair is not None and live:
+                self._pairs += 1
+            batch = None
+            if out is not None:  # decoding.batch_size > 1 (or a ragged batch of one)
+                batch = {"id": f"{members[0][0]}/{members[0][1].question_id}/{turn}", "size": len(live),
+                         "wall_s": out.wall_s, "steps": out.steps, **({"paired": paired} if paired else {})}
+            yield DecodedTurn(turn, members, prompts, budgets, gens, batch, peak, paired)
             for i, (_, q) in enumerate(members):
                 g = gens.get(i)
                 answers[q.question_id].append(self._answer(g.new_tokens if g else []))
+
+    def _decode_turn(self, engine: Engine, prompts: list, budgets: list, seeds: list, live: list,
+                     context: int | None) -> tuple[dict[int, Generation], BatchGeneration | None]:
+        """One turn's live members through `engine`: their generations by member index, and the batch's output
+        (None at batch size 1). Each engine draws from fresh generators of the same seeds."""
+        dev = self.target.device
+        rngs = [torch.Generator(dev).manual_seed(seeds[i]) for i in range(len(prompts))]
+        if not live:
+            return {}, None
+        if self.decoding.batch_size == 1:
+            return {0: engine.generate(prompts[0], budgets[0], rngs[0], context)}, None
+        out = engine.generate_batch([prompts[i] for i in live], [budgets[i] for i in live], [rngs[i] for i in live],
+                                    context)
+        return dict(zip(live, out.rows)), out
+
+    def _paired(self, pair: Engine, prompts: list, budgets: list, seeds: list, live: list,
+                context: int | None) -> dict:
+        """The baseline's time and new tokens for one turn's live members (bench.paired): wall seconds (a batch's
+        once) and tokens summed over the members."""
+        gens, out = self._decode_turn(pair, prompts, budgets, seeds, live, context)
+        wall = out.wall_s if out is not None else sum(g.wall_s for g in gens.values())
+        return {"wall_s": wall, "new_tokens": sum(len(g.new_tokens) for g in gens.values())}
 
     def _answer(self, ids: list[int]) -> str:
         """A turn's answer as the next turn's prompt holds it."""
@@ -559,6 +594,7 @@ class DecodedTurn:
     gens: dict[int, Generation]  # member index -> its generation (members with a budget)
     batch: dict | None  # the batch's id, size, wall and steps (decoding.batch_size > 1)
     peak: dict  # peak memory over the turn (the timed pass)
+    paired: dict | None = None  # bench.paired: the baseline's wall_s and new_tokens for the same members, beside it
 
 
 def batches(todo: list[tuple[int, Question]], questions: list[Question], size: int) -> list[list[tuple[int, Question]]]:
@@ -575,7 +611,9 @@ def batches(todo: list[tuple[int, Question]], questions: list[Question], size: i
 def _headline(s: dict) -> str:
     parts = [f"{s['tokens_per_s']['mean']:.2f} tok/s"]
     if s.get("speedup"):
-        parts.append(f"speedup {s['speedup']['mean']:.2f}x")
+        parts.append(f"speedup {s['speedup']['mean']:.2f}x" + (
+            f" (paired; against the baseline run {s['speedup_vs_baseline_run']['mean']:.2f}x)"
+            if s.get("speedup_vs_baseline_run") else " (paired)" if s.get("speedup_against") == "paired" else ""))
     if s.get("tau_micro"):
         parts.append(f"tau {s['tau_micro']:.2f}")
     if s["lossless"]["compared"]:

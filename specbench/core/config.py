@@ -81,6 +81,8 @@ class BenchConfig:
     #                                and on CUDA: no timed turn meets a first-time cost, a graph or a kernel's plan)
     sdpa: str = "no-cudnn"  # the SDPA backends a CUDA decode may use (specbench/core/models.py SDPA_BACKENDS)
     baseline: bool = True  # run (or resume) the drafter=none run of the same config first, for speedup + lossless
+    paired: bool = False  # also decode the baseline beside every timed turn (same prompts, budgets, seeds): the
+    #                        speedup is then the ratio of times taken seconds apart (a host whose speed drifts)
 
 
 @dataclass

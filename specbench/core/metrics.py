@@ -3,7 +3,8 @@
 - tokens/s = new tokens / wall seconds of the turn (prefill included; the same counter for every method); at
   decoding.batch_size > 1, the batch's throughput: its rows' new tokens / its wall seconds;
 - speedup = method tokens/s / baseline tokens/s, the baseline (drafter=none) run in the same job on the same device
-  (at the same batch size);
+  (at the same batch size); with bench.paired, the baseline's tokens/s from its decodes beside each of the run's
+  turns instead (speedup_against: paired; the baseline run's ratio kept as speedup_vs_baseline_run);
 - tau = new tokens per target verification step, the bonus/recovered token included (the prefill's first token is
   not a step); micro = over all steps of the run, macro = mean of per-turn tau;
 - alpha[d-1] = accepted / tried at draft depth d (chain: EAGLE's (d-1)-alpha, acceptance at position d given 0..d-1
@@ -115,6 +116,28 @@ def per_repeat_speed(records: list[dict]) -> dict[int, float]:
     return {k: toks[k] / wall[k] for k in toks if wall[k] > 0}
 
 
+def paired_speed(records: list[dict]) -> dict[int, float] | None:
+    """The baseline's new tokens per second per repeat from its decodes beside each turn (bench.paired: a record's
+    `paired`, or its batch's, counted once per batch); None unless every decoded record has one."""
+    toks: dict[int, int] = defaultdict(int)
+    wall: dict[int, float] = defaultdict(float)
+    seen: set[str] = set()
+    for r in records:
+        batch = r.get("batch")
+        paired = batch.get("paired") if batch else r.get("paired")
+        if paired is None:
+            if r.get("steps"):  # a decoded turn without its pair: a run partly decoded before bench.paired
+                return None
+            continue
+        if batch is not None:
+            if batch["id"] in seen:
+                continue
+            seen.add(batch["id"])
+        toks[r["repeat"]] += paired["new_tokens"]
+        wall[r["repeat"]] += paired["wall_s"]
+    return {k: toks[k] / wall[k] for k in toks if wall[k] > 0} or None
+
+
 def _total_wall(records: list[dict]) -> float:
     """Seconds of decoding: a batch's wall time once for all its rows."""
     batches = {r["batch"]["id"]: r["batch"]["wall_s"] for r in records if r.get("batch")}
@@ -186,12 +209,21 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
     if classified:  # specbench/bench/divergence.py: near-ties of the dtype's rounding vs mismatches
         out["lossless"]["divergences"] = {k: classified.count(k) for k in ("near_tie", "mismatch", "unclassified")
                                           if k != "unclassified" or k in classified}
+    paired = paired_speed(records)
     if baseline:
         b_speed = per_repeat_speed(baseline)
         b_mean = statistics.fmean(b_speed.values())
         ratios = [speed[k] / b_speed[k] for k in speed if k in b_speed] or [s / b_mean for s in speed.values()]
         out["baseline_tokens_per_s"] = b_mean
         out["speedup"] = mean_std(ratios)
+    if paired:  # bench.paired: against the baseline decoded beside each turn (seconds apart; absent otherwise, so that
+        # older summaries stay as they are)
+        if "speedup" in out:
+            out["speedup_vs_baseline_run"] = out["speedup"]
+        out["paired_baseline_tokens_per_s"] = statistics.fmean(paired.values())
+        out["speedup"] = mean_std([speed[k] / paired[k] for k in speed if k in paired])
+        out["speedup_against"] = "paired"
+    if baseline:
         b_steps = sum(r["steps"] for r in baseline)
         target_step_s = sum(r["verify_s"] for r in baseline) / b_steps if b_steps else None
         chain = all(r.get("chain", False) for r in records)

@@ -133,7 +133,12 @@ def provenance(runs: list[dict]) -> str:
     devices = sorted({device_of(r) for r in runs})
     commits = sorted({(r["_head"]["git"].get("commit") or "?")[:7] for r in runs})
     mixed = " (the runs come from different devices: speeds are not comparable across them)" if len(devices) > 1 else ""
-    return f"device: {', '.join(devices)}{mixed}; commit(s): {', '.join(commits)}"
+    paired = sum(r.get("speedup_against") == "paired" for r in runs)
+    drafted = sum(r.get("drafter") != "none" for r in runs)
+    # (said only where a run was paired: the tables of runs without bench.paired stay as they were)
+    pairs = (f"; speedup against the baseline decoded beside each turn (bench.paired) in {paired} of {drafted} drafted "
+             f"runs{', the others against the baseline run' if paired < drafted else ''}") if paired else ""
+    return f"device: {', '.join(devices)}{mixed}; commit(s): {', '.join(commits)}{pairs}"
 
 
 def static_tree(paths: list, name: str | None = None) -> str:
