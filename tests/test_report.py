@@ -262,6 +262,8 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     written = report(tmp_path / "results")
     md = (exp / "batch.tiny.md").read_text()
     assert exp / "batch.tiny.md" in written and (exp / "batch.tiny.png").is_file()
+    # the experiment pairs each drafted run with the baseline decoded beside its turns (bench.paired), and says so
+    assert "(bench.paired) in 2 of 2 drafted runs" in md
     rows = {tuple(line.split(" | ")[:3]): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
     assert rows[("| method", "dataset", "tree")][3:] == ["B=1", "B=2", "< 1.0x from B on", "predicted |"]
     pld = rows[("| pld", "mtbench", "paper")]
