@@ -364,11 +364,12 @@ def test_training_settings_do_not_name_a_run_but_the_weights_do(make_cfg):
 def test_a_paired_run_times_the_baseline_beside_each_turn(make_cfg, size):
     """bench.paired: the baseline decodes each turn's prompts again beside the drafter (the same members, budgets and
     seeds; first at every other turn), and the speedup is against those times; the baseline run's ratio is kept. A
-    run resumed across the option (a decoded turn without its pair) falls back to the baseline run."""
+    run resumed across the option (a decoded turn without its pair) falls back to the baseline run. The warm-up (both
+    engines, every row) writes no record and counts no pair."""
     from specbench.bench.report.cells import provenance
     from specbench.core.metrics import paired_speed, per_repeat_speed, summarize
 
-    runner = Runner(make_cfg("drafter=pld", "bench.paired=true", f"decoding.batch_size={size}"))
+    runner = Runner(make_cfg("drafter=pld", "bench.paired=true", f"decoding.batch_size={size}", "bench.warmup=1"))
     run = runner.execute()
     recs = read_jsonl(run.records_path)
     summary = json.loads(run.summary_path.read_text())

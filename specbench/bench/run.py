@@ -372,7 +372,6 @@ class Runner:
         reference = {}
         if baseline is not None and self.decoding.temperature == 0:
             reference = {(r["question_id"], r["turn"]): r["new_token_ids"] for r in baseline.records() if r["repeat"] == 0}
-        dev = self.target.device
         mem = PeakMemory(self.target.devices)
         context = self.target.max_positions
         size = self.decoding.batch_size
@@ -389,14 +388,11 @@ class Runner:
         # speedup is a ratio of times taken seconds apart, whatever the host's speed does over the sitting
         pair = (Engine(self.target, NoDrafter(self.target), self.decoding.sampling(), ragged=self.decoding.ragged)
                 if self.bench.paired and not isinstance(engine.drafter, NoDrafter) else None)
-        for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches
+        for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches; the first prompt in every row
             ids = self.prompt_ids(todo[0][1], 0, [])
             for e in (engine, pair) if pair is not None else (engine,):
-                rng = torch.Generator(dev).manual_seed(self.cfg.seed)
-                if size == 1:
-                    e.generate(ids, min(self.budget(len(ids)), 32), rng, context)
-                else:
-                    e.generate_batch([ids] * size, min(self.budget(len(ids)), 32), [rng] * size, context)
+                self._decode_turn(e, [ids] * size, [min(self.budget(len(ids)), 32)] * size, [self.cfg.seed] * size,
+                                  list(range(size)), context)
         groups = batches(todo, self.questions, size)
         total = sum(len(q.turns) for _, q in todo)
         warm_pass = (self.bench.warm_pass if self.bench.warm_pass is not None
