@@ -429,3 +429,22 @@ def test_jobs_that_differ_only_in_a_drafter_option_fail_into_their_own_rows(make
     assert "| moa_tli1 tli_context=none | failed |" in md and "RuntimeError: broken none" in md.splitlines()[0]
     failures.clear(cfgs["target"])
     assert not paths["target"].exists() and paths["none"].exists()
+
+
+def test_training_curves_draw_the_drafters_and_list_variants_with_their_command(tmp_path):
+    """results/training: a log under a drafter's name is the committed weights' run (figure and first table); any
+    other name is a variant, listed apart with the command and commit its config.json records."""
+    from specbench.bench.report.logs import training_curves
+
+    val = {"kind": "val", "epoch": 0, "sim_tau": 1.5, "alpha": [0.4, 0.3, 0.2, 0.1, 0.0]}
+    for name in ("eagle", "eagle_wd001"):
+        (tmp_path / "m" / name).mkdir(parents=True)
+        (tmp_path / "m" / name / "log.jsonl").write_text(json.dumps({"kind": "train", "step": 1}) + "\n" + json.dumps(val) + "\n")
+    (tmp_path / "m" / "eagle_wd001" / "config.json").write_text(json.dumps(
+        {"command": "specbench.train drafter=eagle", "git": {"commit": "abcdef0123", "dirty": False}}))
+    training_curves(tmp_path, tmp_path)
+    first, variants = (tmp_path / "training.md").read_text().split("**Variants")
+    assert "| m | eagle | 1 | 1.500 |" in first and "eagle_wd001" not in first
+    assert "| m | eagle_wd001 | 1 | 1.500 |" in variants
+    assert "- `eagle_wd001`: `python -m specbench.train drafter=eagle` at abcdef0" in variants
+    assert (tmp_path / "training_curves.png").stat().st_size > 0

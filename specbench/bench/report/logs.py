@@ -4,34 +4,51 @@ from __future__ import annotations
 import json
 from pathlib import Path
 import matplotlib.pyplot as plt
+from specbench.core.cli import CONF_DIR
 from specbench.core.records import read_jsonl
 from specbench.bench.report.figures import save
 
 
 def training_curves(root: Path, out: Path) -> None:
+    """results/training/<model>/<name>/log.jsonl: the validation after each epoch. A <name> that is a drafter
+    (conf/drafter/<name>.yaml) is the committed weights' run, drawn in the figure; any other is a variant trained to
+    measure a deviation (its command in its config.json), listed in the tables only, with that command."""
     logs = sorted(root.glob("*/*/log.jsonl"))
     if not logs:
         return
     out.mkdir(parents=True, exist_ok=True)
+    drafters = {p.stem for p in (CONF_DIR / "drafter").glob("*.yaml")}
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    lines = ["| model | drafter | epoch | sim τ | " + " | ".join(f"{i}-α" for i in range(5)) + " |", "|" + "---|" * 9]
+    head = ["| model | drafter | epoch | sim τ | " + " | ".join(f"{i}-α" for i in range(5)) + " |", "|" + "---|" * 9]
+    lines, variants, commands = list(head), list(head), []
     for log in logs:
         vals = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("kind") == "val"]
         if not vals:
             continue
         model, drafter = log.parent.parent.name, log.parent.name
+        rows = [f"| {model} | {drafter} | {r['epoch'] + 1} | {r['sim_tau']:.3f} | "
+                + " | ".join(f"{a:.3f}" for a in r["alpha"][:5]) + " |" for r in vals]
+        if drafter not in drafters:
+            variants += rows
+            config = log.parent / "config.json"
+            head_ = json.loads(config.read_text()) if config.exists() else {}
+            commit = (head_.get("git") or {}).get("commit") or "?"
+            commands.append(f"- `{drafter}`: `python -m {head_.get('command', '?')}` at {commit[:7]}")
+            continue
+        lines += rows
         epochs = [r["epoch"] + 1 for r in vals]
         axes[0].plot(epochs, [r["sim_tau"] for r in vals], marker="o", label=drafter)
         axes[1].plot(range(1, len(vals[-1]["alpha"]) + 1), vals[-1]["alpha"], marker="o", label=drafter)
-        for r in vals:
-            lines.append(f"| {model} | {drafter} | {r['epoch'] + 1} | {r['sim_tau']:.3f} | "
-                         + " | ".join(f"{a:.3f}" for a in r["alpha"][:5]) + " |")
     axes[0].set_xlabel("epoch"), axes[0].set_ylabel("validation simulated τ"), axes[0].legend(fontsize=7)
     axes[1].set_xlabel("draft position n"), axes[1].set_ylabel("acceptance (last epoch)"), axes[1].legend(fontsize=7)
     fig.suptitle("Training efficiency: per-position acceptance (papers/000 Fig. 3-5, papers/003 Fig. 6)")
     fig.tight_layout()
     save(fig, out / "training_curves.png")
-    (out / "training.md").write_text("**Per-epoch validation (chain, own predictions)**\n\n" + "\n".join(lines) + "\n")
+    md = "**Per-epoch validation (chain, own predictions)**\n\n" + "\n".join(lines) + "\n"
+    if commands:
+        md += ("\n**Variants trained to measure a deviation (not committed weights; the same validation)**\n\n"
+               + "\n".join(variants) + "\n\n" + "\n".join(commands) + "\n")
+    (out / "training.md").write_text(md)
 
 
 def trainmem(root: Path) -> None:
