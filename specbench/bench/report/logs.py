@@ -22,7 +22,7 @@ def training_curves(root: Path, out: Path) -> None:
     head = ["| model | drafter | epoch | sim τ | " + " | ".join(f"{i}-α" for i in range(5)) + " |", "|" + "---|" * 9]
     lines, variants, commands = list(head), list(head), []
     for log in logs:
-        vals = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("kind") == "val"]
+        vals = [r for r in read_jsonl(log) if r.get("kind") == "val"]
         if not vals:
             continue
         model, drafter = log.parent.parent.name, log.parent.name
@@ -31,9 +31,9 @@ def training_curves(root: Path, out: Path) -> None:
         if drafter not in drafters:
             variants += rows
             config = log.parent / "config.json"
-            head_ = json.loads(config.read_text()) if config.exists() else {}
-            commit = (head_.get("git") or {}).get("commit") or "?"
-            commands.append(f"- `{drafter}`: `python -m {head_.get('command', '?')}` at {commit[:7]}")
+            meta = json.loads(config.read_text()) if config.exists() else {}
+            commit = (meta.get("git") or {}).get("commit") or "?"
+            commands.append(f"- `{drafter}`: `python -m {meta.get('command', '?')}` at {commit[:7]}")
             continue
         lines += rows
         epochs = [r["epoch"] + 1 for r in vals]
