@@ -406,8 +406,11 @@ def test_lr_schedule_warms_up_then_stays_or_decays_to_zero():
     cosine = [lr_at(s, cos, 20) for s in range(21)]
     assert cosine[:5] == [0.25, 0.5, 0.75, 1.0, 1.0] and cosine[12] == pytest.approx(0.5) and cosine[20] == 0.0
     assert all(a >= b for a, b in zip(cosine[4:], cosine[5:]))
+    linear = [lr_at(s, TrainConfig(lr=1.0, warmup_steps=4, lr_schedule="linear"), 20) for s in range(21)]
+    assert linear[:5] == [0.25, 0.5, 0.75, 1.0, 1.0] and linear[12] == pytest.approx(0.5) and linear[20] == 0.0
+    assert linear[8] == pytest.approx(0.75) and cosine[8] > linear[8]  # a straight line, below the cosine early on
     with pytest.raises(SpecbenchError, match="lr_schedule"):
-        lr_at(30, TrainConfig(lr_schedule="linear"), 40)
+        lr_at(30, TrainConfig(lr_schedule="step"), 40)
 
 
 def test_trainmem_graph_memory_is_flat_for_beagle_and_grows_for_hass(tmp_path, sharegpt_file, tiny_checkpoint):

@@ -107,7 +107,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     warmup_steps: int = 20
-    # after warm-up: constant, or cosine = decay to 0 over the planned steps (epochs x batches; max_steps only stops)
+    # after warm-up: constant, cosine or linear = decay to 0 over the planned steps (epochs x batches; max_steps only stops)
     lr_schedule: str = "constant"
     grad_clip: float = 0.5
     # value = clamp every gradient element to +-grad_clip (EAGLE's and HASS's `clip_grad_value_`); norm = rescale the

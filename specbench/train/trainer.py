@@ -320,12 +320,16 @@ def validate(cls: type[TrainableDrafter], module, val: list[dict], cfg: TrainCon
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
-    """Linear warm-up to cfg.lr, then constant or a cosine decay to 0 at total_steps."""
-    if cfg.lr_schedule not in ("constant", "cosine"):
-        raise SpecbenchError(f"train.lr_schedule={cfg.lr_schedule!r} is not one of constant, cosine")
+    """Linear warm-up to cfg.lr, then constant, a cosine decay or a linear decay to 0 at total_steps.
+
+    `linear` is the decay of EAGLE's and HASS's training code (transformers' get_linear_schedule_with_warmup)."""
+    if cfg.lr_schedule not in ("constant", "cosine", "linear"):
+        raise SpecbenchError(f"train.lr_schedule={cfg.lr_schedule!r} is not one of constant, cosine, linear")
     if cfg.lr_schedule == "constant" or step < cfg.warmup_steps:
         return cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
     done = min(1.0, (step - cfg.warmup_steps) / max(total_steps - cfg.warmup_steps, 1))
+    if cfg.lr_schedule == "linear":
+        return cfg.lr * (1.0 - done)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * done))
 
 
