@@ -289,9 +289,11 @@ def load_authors_eagle3(path: Path, target) -> Eagle3Head:
     if any(not 0 <= i < base.num_hidden_layers for i in layers):
         raise SpecbenchError(f"checkpoint {path}: EAGLE-3 layer ids {list(layers)} (as hidden_states indices) are "
                              f"outside the target {target.name!r}'s 0 .. {base.num_hidden_layers - 1}")
+    # transformers' two spellings (rope_scaling, rope_parameters), each with rope_type or the older type: "default"
+    # (or none) is plain RoPE, anything else a scaling this loader would drop
     scaling = cfg.get("rope_scaling") or {k: v for k, v in (cfg.get("rope_parameters") or {}).items()
-                                          if k == "rope_type" and v != "default"}
-    if scaling:  # the head's one layer uses plain RoPE: a scaled head would draft at the wrong rotations
+                                          if k in ("rope_type", "type")}
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):  # the head's one layer uses plain RoPE: a scaled head would draft at the wrong rotations
         raise SpecbenchError(f"checkpoint {path}: the head's RoPE is scaled ({scaling}); this loader builds plain "
                              "RoPE and would drop it")
     theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)

@@ -182,6 +182,18 @@ def test_a_misfit_authors_head_is_one_line(tmp_path, edit, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("field", [{"rope_scaling": {"rope_type": "default"}}, {"rope_scaling": {"type": "default"}},
+                                   {"rope_scaling": None}, {"rope_parameters": {"rope_type": "default",
+                                                                                 "rope_theta": 10000.0}}])
+def test_an_unscaled_head_that_names_its_default_rope_loads(tmp_path, field):
+    # a config that spells out the default RoPE (transformers writes {"rope_type": "default"}) is not a scaled head
+    target = tiny_target(seed=0)
+    write_authors_head(tmp_path, target, draft_ids=range(32))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **field}))
+    assert Eagle3Drafter(target, checkpoint=str(tmp_path)).head.draft_ids.tolist() == list(range(32))
+
+
 def test_layers_outside_the_target_are_refused():
     with pytest.raises(SpecbenchError, match="hidden_states indices must be in 0 .. 5"):
         Eagle3Drafter.build_module(tiny_target(seed=0), Eagle3Options(layers=[2, 3, 6]))
