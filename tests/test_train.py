@@ -197,6 +197,15 @@ def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file
         Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3", "drafter.module.decay=0.5")).run()
 
 
+def test_a_checkpoint_records_the_commit_its_training_started_at(make_cfg, tmp_path, sharegpt_file, monkeypatch):
+    # a commit made while a training runs must not be recorded as the code that trained it
+    from specbench.core import envinfo
+    monkeypatch.setattr(envinfo, "git_commit", lambda: {"commit": "at-start", "dirty": False})
+    trainer = Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1})))
+    monkeypatch.setattr(envinfo, "git_commit", lambda: {"commit": "committed-meanwhile", "dirty": False})
+    assert read_meta(trainer.run())["git"]["commit"] == "at-start"
+
+
 def test_make_train_lists_every_trainable_drafter_after_the_weights_it_starts_from():
     """`make train`'s list (specbench/train/trainable.py) reads the drafter YAMLs' checkpoint paths, which name the weights
     root through ${oc.env:SPECBENCH_WEIGHTS,weights}: once it matched only a bare `weights/`, and listed nothing."""

@@ -420,6 +420,8 @@ def backward_pieces(pieces: Iterator[tuple[torch.Tensor, dict]], tc: TrainConfig
 class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
+        # the code this process runs is the checkout's at start: a commit made while it trains must not be recorded
+        self.git = envinfo.git_commit()
         # a method's own optimiser settings (the papers differ: EAGLE 3e-5, Medusa 1e-3) may come with its YAML;
         # the budget itself (conversations, epochs, length, batch) cannot: every drafter gets the same one
         optim = cfg.drafter.get("optim")
@@ -461,7 +463,7 @@ class Trainer:
     def meta(self, epoch: int, step: int, metrics: dict) -> dict:
         return {"drafter": self.cls.name, "module": self.module_options, "target": self.model_cfg.name,
                 **target_identity(self.target), "train": asdict(self.tc), "epoch": epoch,
-                "step": step, "metrics": metrics, "git": envinfo.git_commit(), "date": envinfo.now_utc(),
+                "step": step, "metrics": metrics, "git": self.git, "date": envinfo.now_utc(),
                 "command": " ".join(["specbench.train", *sys.argv[1:]]), "world_size": self.world,
                 "env": envinfo.device_info(self.target.device), "versions": envinfo.versions()}
 
