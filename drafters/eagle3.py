@@ -289,12 +289,11 @@ def load_authors_eagle3(path: Path, target) -> Eagle3Head:
     if any(not 0 <= i < base.num_hidden_layers for i in layers):
         raise SpecbenchError(f"checkpoint {path}: EAGLE-3 layer ids {list(layers)} (as hidden_states indices) are "
                              f"outside the target {target.name!r}'s 0 .. {base.num_hidden_layers - 1}")
-    # transformers' two spellings (rope_scaling, rope_parameters), each with rope_type or the older type: "default"
-    # (or none) is plain RoPE, anything else a scaling this loader would drop
-    scaling = cfg.get("rope_scaling") or {k: v for k, v in (cfg.get("rope_parameters") or {}).items()
-                                          if k in ("rope_type", "type")}
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):  # the head's one layer uses plain RoPE: a scaled head would draft at the wrong rotations
-        raise SpecbenchError(f"checkpoint {path}: the head's RoPE is scaled ({scaling}); this loader builds plain "
+    # transformers' two spellings (rope_scaling, rope_parameters), with rope_type or the older type; "default" (or
+    # none) is plain RoPE. The head's one layer uses plain RoPE: a scaled head would draft at the wrong rotations
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise SpecbenchError(f"checkpoint {path}: the head's RoPE is scaled ({rope}); this loader builds plain "
                              "RoPE and would drop it")
     theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
     heads = cfg["num_attention_heads"]

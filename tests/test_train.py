@@ -18,6 +18,7 @@ from drafters.hass import HassDrafter
 from drafters.medusa import MedusaDrafter
 from drafters.moa import MoADrafter
 from drafters.sd import IndependentDrafter
+from specbench.core import envinfo
 from specbench.decode.checkpoints import read_meta
 from specbench.data.conversations import Conversation, encode, iter_records, load_conversations
 from specbench.errors import SpecbenchError
@@ -199,7 +200,6 @@ def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file
 
 def test_a_checkpoint_records_the_commit_its_training_started_at(make_cfg, tmp_path, sharegpt_file, monkeypatch):
     # a commit made while a training runs must not be recorded as the code that trained it
-    from specbench.core import envinfo
     monkeypatch.setattr(envinfo, "git_commit", lambda: {"commit": "at-start", "dirty": False})
     trainer = Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1})))
     monkeypatch.setattr(envinfo, "git_commit", lambda: {"commit": "committed-meanwhile", "dirty": False})
