@@ -22,6 +22,20 @@ def kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def per_sequence_weights(rows: torch.Tensor) -> torch.Tensor:
+    """Weights over the selected positions rows [B, T] (bool) -> [M] (M = rows.sum()), each of the n_b positions of
+    sequence b weighing 1 / (n_b x the sequences with any): the mean of each sequence's mean, as a trainer that takes
+    one sequence per micro-batch and accumulates weighs them (MoA's authors, `mini_batch_size: 1`)."""
+    n = rows.sum(1)  # [B]
+    per_row = torch.where(n > 0, 1.0 / (n.clamp(min=1) * (n > 0).sum()), torch.zeros((), device=rows.device))
+    return per_row[:, None].expand_as(rows)[rows].float()
+
+
+def weighted_mean(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+    """x [M] -> sum w x (w [M] summing to 1), or x's plain mean where w is None."""
+    return x.mean() if w is None else (x * w).sum()
+
+
 def top1(logq: torch.Tensor, p: torch.Tensor) -> float:
     """Fraction of rows whose argmax agrees."""
     return (logq.argmax(-1) == p.argmax(-1)).float().mean().item()

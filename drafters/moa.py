@@ -77,7 +77,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.drafter import KV, TrainableDrafter
 from specbench.errors import SpecbenchError
-from drafters.distill import soft_ce, teacher_probs, top1
+from drafters.distill import per_sequence_weights, teacher_probs, top1, weighted_mean
 from drafters.layers import layers_config, target_layer
 from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
 from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
@@ -199,6 +199,13 @@ class MoAOptions:
     staircase: bool = True  # the SA curriculum (their `staircase_mask: True`)
     staircase_until: float = 0.5  # the fraction of the budget by which it has faded out (their max_epochs / 2)
     tli_final_weight: float = 0.5  # TLI > 0: this x the final-feature loss + (1 - this) x the pre-TLI one
+    # token: the mean over every answer position of the batch (longer answers weigh more; the budget's, every
+    # method's); sequence: the mean of each sequence's mean (the authors' one sequence per micro-batch)
+    loss_weighting: str = "token"
+
+    def __post_init__(self):
+        if self.loss_weighting not in ("token", "sequence"):
+            raise SpecbenchError(f"moa loss_weighting={self.loss_weighting!r} is not one of token, sequence")
 
 
 def resolve_widths(opts: MoAOptions, e: int, nh: int, nkv: int, lsa_width: int, lsa_heads: int) -> dict[str, int]:
@@ -329,7 +336,7 @@ class MoADrafter(TrainableDrafter):
         return MoAModule(target, opts).to(target.device)
 
     # options the module's shape ignores: training's
-    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight")
+    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight", "loss_weighting")
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:
@@ -412,15 +419,16 @@ class MoADrafter(TrainableDrafter):
                                          rows, true_in)
         p = teacher_probs(target, batch.hidden[rows])  # [M, V]
         logq = logits.log_softmax(-1)
-        ce = soft_ce(p, logq)
-        feat = F.smooth_l1_loss(final, batch.hidden[rows].to(final.dtype), reduction="none").mean(-1).mean()
+        w = per_sequence_weights(rows) if opts.loss_weighting == "sequence" else None  # [M] or None: a plain mean
+        ce = weighted_mean(-(p * logq).sum(-1), w)  # -sum_v p log q per position (distill.soft_ce, unreduced)
+        feat = weighted_mean(F.smooth_l1_loss(final, batch.hidden[rows].to(final.dtype), reduction="none").mean(-1), w)
         parts = {"ce": ce.item(), "feat": feat.item(), "top1": top1(logq, p)}
         if module.tli:
             pre = true_in[rows]
             # zero at block starts, which still count in the mean (the authors overwrite the TLI input there with the
             # true one in place, so their prediction equals its target: moa_spec.py's prev_feature_loss)
             inside = (starts != torch.arange(starts.shape[1], device=dev))[rows]
-            prev = (F.smooth_l1_loss(out, pre.to(out.dtype), reduction="none").mean(-1) * inside).mean()
+            prev = weighted_mean(F.smooth_l1_loss(out, pre.to(out.dtype), reduction="none").mean(-1) * inside, w)
             feat = opts.tli_final_weight * feat + (1 - opts.tli_final_weight) * prev
             parts["prev_feat"] = prev.item()
         if stair is not None:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from drafters.moa import MoADrafter, block_starts, staircase_rows
+from specbench.errors import SpecbenchError
 from specbench.decode.target import TargetModel, cache_kv, kv_per_token
 from specbench.decode.types import TargetState
 from tests.helpers import tiny_llama
@@ -175,6 +176,40 @@ def test_the_pre_tli_loss_is_zero_at_block_starts():
         _, every = MoADrafter.training_loss(net, batch, target, MoADrafter.options(block_min=1, block_max=1, **opts))
         _, some = MoADrafter.training_loss(net, batch, target, MoADrafter.options(block_min=4, block_max=4, **opts))
     assert every["prev_feat"] == 0.0 and some["prev_feat"] > 0.0  # blocks of 1: every position starts one
+
+
+def test_per_sequence_weighting_is_the_mean_of_each_sequences_own_loss():
+    """loss_weighting=sequence: a batch of two answers of 13 and 4 tokens trains as the mean of the two one-sequence
+    batches' losses (the authors' one sequence per micro-batch), where `token` weighs the longer answer 13:4."""
+    from drafters.distill import per_sequence_weights
+    from specbench.train.trainer import Batch
+
+    rows = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    assert per_sequence_weights(rows).tolist() == pytest.approx([1 / 6] * 3 + [1 / 2])  # an empty row counts nothing
+
+    target, net, ids, kv = setup(1)
+    t = ids.shape[1]
+    res = target.decoder(input_ids=ids, use_cache=False, output_hidden_states=True)
+    answers = torch.zeros(2, t, dtype=torch.long)
+    answers[0, 3:], answers[1, 12:] = 1, 1
+
+    def batch(r: slice) -> Batch:
+        b = Batch(ids.expand(2, t)[r], answers[r], torch.ones(2, t, dtype=torch.long)[r],
+                  res.last_hidden_state.expand(2, -1, -1)[r], res.last_hidden_state.expand(2, -1, -1)[r])
+        b.kv, b.pre = kv.expand(2, -1, -1, -1)[r], torch.stack([res.hidden_states[-2]], 2).expand(2, -1, -1, -1)[r]
+        return b
+
+    def loss(r: slice, weighting: str) -> float:
+        opts = MoADrafter.options(tli=1, **OPTS, staircase=False, block_min=4, block_max=4, loss_weighting=weighting)
+        with torch.no_grad():
+            return MoADrafter.training_loss(net, batch(r), target, opts)[0].item()
+
+    one, other = loss(slice(0, 1), "token"), loss(slice(1, 2), "token")
+    assert loss(slice(0, 2), "sequence") == pytest.approx((one + other) / 2, rel=1e-5)
+    assert loss(slice(0, 2), "token") == pytest.approx((13 * one + 4 * other) / 17, rel=1e-5)
+    assert abs(one - other) > 1e-3  # (so the two weightings differ here)
+    with pytest.raises(SpecbenchError, match="loss_weighting='row'"):
+        MoADrafter.options(loss_weighting="row")
 
 
 def test_tli_drafting_without_the_targets_cache_is_the_authors_and_lossless():

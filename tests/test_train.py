@@ -198,6 +198,21 @@ def test_resume_continues_after_the_last_epoch(make_cfg, tmp_path, sharegpt_file
         Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3", "drafter.module.decay=0.5")).run()
 
 
+def test_a_checkpoint_that_predates_an_option_resumes_at_its_default(make_cfg, tmp_path, sharegpt_file):
+    # an option added to a drafter after a training started (MoA's loss_weighting) must not refuse its resumption
+    over = train_overrides(tmp_path, sharegpt_file)
+    Trainer(make_cfg("drafter=medusa", *over)).run()
+    meta_file = tmp_path / "ckpt" / "tiny" / "medusa" / "last" / "config.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["module"].pop("decay") == 0.8  # medusa.yaml's decay, MedusaOptions' default
+    meta_file.write_text(json.dumps(meta))
+    Trainer(make_cfg("drafter=medusa", *over, "train.epochs=3")).run()
+    meta["module"]["decay"] = 0.5  # but a recorded value other than the config's still refuses
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(SpecbenchError, match=r"other drafter options \(decay differ\)"):
+        Trainer(make_cfg("drafter=medusa", *over, "train.epochs=4")).run()
+
+
 def test_a_checkpoint_records_the_commit_its_training_started_at(make_cfg, tmp_path, sharegpt_file, monkeypatch):
     # a commit made while a training runs must not be recorded as the code that trained it
     monkeypatch.setattr(envinfo, "git_commit", lambda: {"commit": "at-start", "dirty": False})

@@ -24,7 +24,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -570,8 +570,11 @@ class Trainer:
             raise SpecbenchError(f"{last} was trained with another budget ({', '.join(changed)} differ): "
                                  "add train.resume=false to start over, or remove it")
         was = meta.get("module") or {}
+        # an option the checkpoint predates (or the config leaves out) was at its default
+        unset = {f.name: f.default for f in fields(self.cls.Options) if f.default is not MISSING}
         other = sorted(k for k in set(was) | set(self.module_options)
-                       if json.dumps(was.get(k), sort_keys=True) != json.dumps(self.module_options.get(k), sort_keys=True))
+                       if json.dumps(was.get(k, unset.get(k)), sort_keys=True)
+                       != json.dumps(self.module_options.get(k, unset.get(k)), sort_keys=True))
         if other:  # a method's own options (HASS's Top-K stage, Beagle's vloss) changed between sittings
             raise SpecbenchError(f"{last} was trained with other drafter options ({', '.join(other)} differ): "
                                  "add train.resume=false to start over, or remove it")
