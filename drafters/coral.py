@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.distill import teacher_probs
-from drafters.eagle import EagleOptions
+from drafters.eagle import EagleOptions, trained_positions
 from drafters.hass import HassDrafter, harmonized_inputs, harmonized_steps, next_step_input
 
 
@@ -75,7 +75,7 @@ class CoralDrafter(HassDrafter):
     def training_steps(cls, module, batch, target, opts: CoralOptions, epoch: int,
                        progress: float = 0.0) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
         del epoch, progress  # one objective throughout
-        emb, mask_tok, true, p = cls.step_targets(batch, target)
+        emb, mask_tok, true, p = cls.step_targets(batch, target, opts.loss_mask)
         earlier: list[torch.Tensor] = []  # F^1 .. F^{j-1} at the loss positions, detached
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps)
         for j, pred_all in enumerate(steps, 1):
@@ -196,10 +196,11 @@ class CoralRouterDrafter(CoralDrafter):
 
     @classmethod
     def training_loss(cls, module, batch, target, opts: CoralRouterOptions):
-        head, steps = module, cls.head_options(opts).steps  # the router sees the head's own n steps
+        head_opts = cls.head_options(opts)
+        head, steps = module, head_opts.steps  # the router sees the head's own n steps
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])
         feat0, pad = batch.hidden[:, :-1], batch.attn_mask[:, 1:]
-        mask_tok = batch.loss_mask[:, 2:].bool()
+        mask_tok = trained_positions(batch.loss_mask, head_opts.loss_mask)  # the positions its head trained on
         with torch.no_grad():  # the frozen head's own features for steps 1 .. n-1, as while drafting
             feats = [feat0]
             if steps > 1:

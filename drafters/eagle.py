@@ -144,6 +144,19 @@ def save_authors_head(head: "EagleHead", target, out: Path) -> Path:
     return out
 
 
+LOSS_MASKS = ("predicted", "authors")
+
+
+def trained_positions(loss_mask: torch.Tensor, form: str = "predicted") -> torch.Tensor:
+    """Which predictions f^_{i+1} (from f_i and t_{i+1}; their LM head predicts t_{i+2}) train: loss_mask [B, T] ->
+    [B, T-2] bool, i = 0 .. T-3. predicted: t_{i+2} is an answer token (ours). authors: t_i is (their main.py pairs
+    the unshifted loss_mask[j] with the target hidden[j+1]): it drops the predictions of each answer's first two
+    tokens, and in a conversation of several turns trains two past each answer's end."""
+    if form not in LOSS_MASKS:
+        raise SpecbenchError(f"loss_mask={form!r} is not one of {', '.join(LOSS_MASKS)}")
+    return (loss_mask[:, 2:] if form == "predicted" else loss_mask[:, :-2]).bool()
+
+
 @dataclass
 class EagleOptions:
     bias: bool = True  # fc's bias (the authors' default; a published config may say `bias: false`)
@@ -152,6 +165,11 @@ class EagleOptions:
     # decoding only (not the module's shape; read from the run's config, never from a checkpoint):
     draft_vocab: int | None = None  # N: draft over the N most frequent answer tokens only (None: the whole vocabulary)
     vocab_counts: str | None = None  # their counts (specbench.vocab); None: token_counts.safetensors beside the weights
+    # training only: which positions train (trained_positions): predicted (ours) | authors (the whole family's)
+    loss_mask: str = "predicted"
+
+    def __post_init__(self):
+        trained_positions(torch.zeros(1, 3), self.loss_mask)  # an unknown form fails when the options are read
 
 
 class EagleDrafter(RowsDrafter, TrainableDrafter):
@@ -202,16 +220,19 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
         return super().load_module(target, checkpoint, options)
 
     @classmethod
+    def decoding_options(cls, options: dict) -> dict:
+        return {k: v for k, v in options.items() if k != "loss_mask"}  # (training only: not in a run's name)
+
+    @classmethod
     def build_module(cls, target, opts: EagleOptions) -> EagleHead:
         return EagleHead(target, bias=opts.bias, input_norm=opts.input_norm,
                          rms_norm_eps=opts.rms_norm_eps).to(target.device)
 
     @classmethod
     def training_loss(cls, module, batch, target, opts: EagleOptions):
-        del opts  # EAGLE's loss has no option
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1})
         pred = module(emb, batch.hidden_in[:, :-1], attention_mask=batch.attn_mask[:, 1:])  # f^_{i+1}, [B, T-1, H]
-        mask = batch.loss_mask[:, 2:].bool()  # f^_{i+1} -> p^_{i+2} predicts t_{i+2}
+        mask = trained_positions(batch.loss_mask, opts.loss_mask)  # f^_{i+1} -> p^_{i+2} predicts t_{i+2}
         pred, true = pred[:, :-1][mask], batch.hidden[:, 1:-1][mask]  # [M, H]
         reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
         p = teacher_probs(target, true)

@@ -47,7 +47,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from drafters.distill import soft_ce, teacher_probs
-from drafters.eagle import EagleDrafter, EagleOptions
+from drafters.eagle import EagleDrafter, EagleOptions, trained_positions
 from specbench.decode.drafter import Restart
 from specbench.decode.tree import additive, harmonized
 
@@ -136,10 +136,11 @@ class HassDrafter(EagleDrafter):
     w_reg = 1.0  # EAGLE's weights (the authors' v_w = 1.0, p_w = 0.1); CORAL halves w_reg
 
     @classmethod
-    def step_targets(cls, batch, target):
-        """(e(t_{i+1}) [B, n, H], loss positions [B, n-1], targets f_{i+1} [M, H], the target's law p [M, V])."""
+    def step_targets(cls, batch, target, loss_mask: str = "predicted"):
+        """(e(t_{i+1}) [B, n, H], loss positions [B, n-1], targets f_{i+1} [M, H], the target's law p [M, V]);
+        loss_mask: the positions' form (eagle.trained_positions)."""
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1})
-        mask_tok = batch.loss_mask[:, 2:].bool()  # F_{i+1} -> predicts t_{i+2}
+        mask_tok = trained_positions(batch.loss_mask, loss_mask)  # F_{i+1} -> predicts t_{i+2}
         true = batch.hidden[:, 1:-1][mask_tok]
         return emb, mask_tok, true, teacher_probs(target, true)
 
@@ -180,7 +181,7 @@ class HassDrafter(EagleDrafter):
     def decoding_options(cls, options: dict) -> dict:
         """Decoding is EAGLE's: the training-only options (steps, Top-K, schedule) are dropped, so checkpoints made
         under earlier option names load too."""
-        keep = {f.name for f in fields(EagleOptions)}
+        keep = {f.name for f in fields(EagleOptions)} - {"loss_mask"}
         return {k: v for k, v in options.items() if k in keep}
 
     @staticmethod
@@ -201,7 +202,7 @@ class HassDrafter(EagleDrafter):
                        progress: float = 0.0) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
         """The n harmonized steps as n graphs, each backpropagated by the trainer before the next is built."""
         del epoch
-        emb, mask_tok, true, p = cls.step_targets(batch, target)
+        emb, mask_tok, true, p = cls.step_targets(batch, target, opts.loss_mask)
         w_topk = opts.topk_weight if cls.topk_on(opts, progress) else 0.0
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps,
                                  attention=opts.train_attention)

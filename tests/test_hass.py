@@ -178,3 +178,39 @@ def test_the_authors_training_attention_trains_and_drafting_stays_additive():
     # decoding drops the training-only option: a checkpoint trained either way decodes with the same module, on SDPA
     assert "train_attention" not in HassDrafter.decoding_options({"train_attention": "authors", "bias": True})
     assert HassDrafter.load_module(target, None, {"train_attention": "authors"}).body.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("name", ["eagle", "hass", "coral"])
+def test_the_authors_loss_mask_is_ours_two_positions_earlier(name):
+    """module.loss_mask=authors (their main.py: loss_mask[j] beside the target hidden[j+1]) trains the predictions
+    whose input token t_i is an answer token; ours, those whose predicted token t_{i+2} is. So theirs on a mask equals
+    ours on that mask shifted two positions later, for every drafter of the family."""
+    from drafters.coral import CoralDrafter
+    from drafters.eagle import EagleDrafter, trained_positions
+    from specbench.errors import SpecbenchError
+    from specbench.train.trainer import Batch
+
+    answer = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])  # t_3 .. t_6
+    assert trained_positions(answer).int().tolist() == [[0, 1, 1, 1, 1]]  # i = 1, 2 predict t_3, t_4
+    assert trained_positions(answer, "authors").int().tolist() == [[0, 0, 0, 1, 1]]
+    cls = {"eagle": EagleDrafter, "hass": HassDrafter, "coral": CoralDrafter}[name]
+    with pytest.raises(SpecbenchError, match="loss_mask='inputs'"):
+        cls.options(loss_mask="inputs")
+
+    torch.manual_seed(0)
+    target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
+    head = cls.build_module(target, cls.options()).eval()
+    ids = torch.randint(0, 64, (2, 12))
+    hidden = target.prefill(ids, target.new_cache()).hidden
+    ones = torch.ones(2, 12, dtype=torch.long)
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    mask[0, 4:], mask[1, 7:] = 1, 1
+    later = torch.zeros_like(mask)
+    later[:, 2:] = mask[:, :-2]
+
+    def loss(m, form):
+        with torch.no_grad():
+            return cls.training_loss(head, Batch(ids, m, ones, hidden, hidden), target, cls.options(loss_mask=form))[0]
+
+    torch.testing.assert_close(loss(mask, "authors"), loss(later, "predicted"))
+    assert not torch.allclose(loss(mask, "authors"), loss(mask, "predicted"))
