@@ -79,7 +79,7 @@ class CoralDrafter(HassDrafter):
         earlier: list[torch.Tensor] = []  # F^1 .. F^{j-1} at the loss positions, detached
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps)
         for j, pred_all in enumerate(steps, 1):
-            pred = pred_all[:, :-1][mask_tok]  # [M, H]
+            pred = pred_all[mask_tok]  # [M, H]
             loss, parts = cls.step_loss(pred, true, p, target, topk=0, topk_weight=0.0)
             csra = csra_loss(pred, [*earlier, true], opts.temperature)
             earlier.append(pred.detach())
@@ -200,19 +200,19 @@ class CoralRouterDrafter(CoralDrafter):
         head, steps = module, head_opts.steps  # the router sees the head's own n steps
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])
         feat0, pad = batch.hidden[:, :-1], batch.attn_mask[:, 1:]
-        mask_tok = trained_positions(batch.loss_mask, head_opts.loss_mask)  # the positions its head trained on
+        mask_tok = trained_positions(batch.loss_mask, batch.attn_mask, head_opts.loss_mask)  # as its head trained
         with torch.no_grad():  # the frozen head's own features for steps 1 .. n-1, as while drafting
             feats = [feat0]
             if steps > 1:
                 feats += [next_step_input(feat0, p) for p in harmonized_steps(head, emb, feat0, pad, steps - 1)]
-            p = teacher_probs(target, batch.hidden[:, 1:-1][mask_tok])  # [M, V]
+            p = teacher_probs(target, batch.hidden[:, 1:][mask_tok])  # [M, V]
             mass = head.router.group_mass(p)  # [M, N]
         e, f, pos, mask, _ = harmonized_inputs(emb, feats, pad)
         _, logits = module(e, f, position_ids=pos, attention_mask=mask, route=True)  # [B, n*T, N]
         n = emb.shape[1]
         loss, parts = 0.0, {}
         for j in range(steps):
-            logr = logits[:, j * n : (j + 1) * n][:, :-1][mask_tok].float().log_softmax(-1)
+            logr = logits[:, j * n : (j + 1) * n][mask_tok].float().log_softmax(-1)
             step = -(mass * logr).sum(-1).mean()
             loss = loss + step / steps
             hit = (logr.topk(head.router.active, -1).indices == mass.argmax(-1, keepdim=True)).any(-1)

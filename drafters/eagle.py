@@ -32,7 +32,8 @@ Deviations from the authors' code (docs/drafters.md):
 - feature noise: the paper's U(-0.1, 0.1); their code's (rand - 0.5) * 0.2 * 512 / T depends on the sequence length T
   (equal at T = 512, wider below); trained on the embedded budget, the two validate within 0.004 sim tau at two seeds
   that differ by 0.045 (docs/training.md);
-- loss mask: a position trains when the token its feature predicts is an answer token, two positions apart from theirs;
+- loss mask: a position trains when the token its feature predicts is an answer token, two positions apart from theirs
+  (`module.loss_mask=authors` trains theirs: trained_positions);
 - the committed eagle / eagle2 / coral / coral_router weights were trained with weight decay 0.0, before the family's
   became their 0.01 (a shrink of ~0.2% in all at this budget; retrained at 0.01, the same validation to 3 decimals);
 - the optimiser is the budget's (conf/train: peak lr 3e-4, cosine), as every method's; theirs 3e-5 for 20 epochs
@@ -147,14 +148,19 @@ def save_authors_head(head: "EagleHead", target, out: Path) -> Path:
 LOSS_MASKS = ("predicted", "authors")
 
 
-def trained_positions(loss_mask: torch.Tensor, form: str = "predicted") -> torch.Tensor:
-    """Which predictions f^_{i+1} (from f_i and t_{i+1}; their LM head predicts t_{i+2}) train: loss_mask [B, T] ->
-    [B, T-2] bool, i = 0 .. T-3. predicted: t_{i+2} is an answer token (ours). authors: t_i is (their main.py pairs
-    the unshifted loss_mask[j] with the target hidden[j+1]): it drops the predictions of each answer's first two
-    tokens, and in a conversation of several turns trains two past each answer's end."""
+def trained_positions(loss_mask: torch.Tensor, attn_mask: torch.Tensor, form: str = "predicted") -> torch.Tensor:
+    """Which predictions f^_{i+1} (from f_i and t_{i+1}; target f_{i+1}, whose LM head predicts t_{i+2}) train:
+    loss_mask, attn_mask [B, T] -> [B, T-1] bool, i = 0 .. T-2. predicted (ours): t_{i+2} is an answer token (never
+    i = T-2: no t_T). authors: t_i is an answer token and t_{i+1} a real one (their main.py pairs the unshifted
+    loss_mask[j] with the target hidden[j+1] and zeroes it at the last token, whose target is padding). Theirs drops
+    the predictions of each answer's first two tokens, trains the one from an answer's last token (its target the
+    last hidden state, its token past the answer), and in a conversation of several turns trains two past each
+    answer's end."""
     if form not in LOSS_MASKS:
         raise SpecbenchError(f"loss_mask={form!r} is not one of {', '.join(LOSS_MASKS)}")
-    return (loss_mask[:, 2:] if form == "predicted" else loss_mask[:, :-2]).bool()
+    if form == "predicted":
+        return F.pad(loss_mask[:, 2:], (0, 1)).bool()
+    return (loss_mask[:, :-1] * attn_mask[:, 1:]).bool()
 
 
 @dataclass
@@ -169,7 +175,7 @@ class EagleOptions:
     loss_mask: str = "predicted"
 
     def __post_init__(self):
-        trained_positions(torch.zeros(1, 3), self.loss_mask)  # an unknown form fails when the options are read
+        trained_positions(torch.zeros(1, 3), torch.zeros(1, 3), self.loss_mask)  # an unknown form fails early
 
 
 class EagleDrafter(RowsDrafter, TrainableDrafter):
@@ -232,8 +238,8 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     def training_loss(cls, module, batch, target, opts: EagleOptions):
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1})
         pred = module(emb, batch.hidden_in[:, :-1], attention_mask=batch.attn_mask[:, 1:])  # f^_{i+1}, [B, T-1, H]
-        mask = trained_positions(batch.loss_mask, opts.loss_mask)  # f^_{i+1} -> p^_{i+2} predicts t_{i+2}
-        pred, true = pred[:, :-1][mask], batch.hidden[:, 1:-1][mask]  # [M, H]
+        mask = trained_positions(batch.loss_mask, batch.attn_mask, opts.loss_mask)  # [B, T-1]
+        pred, true = pred[mask], batch.hidden[:, 1:][mask]  # [M, H] f^_{i+1} against f_{i+1}
         reg = F.smooth_l1_loss(pred, true, reduction="none").mean(-1).mean()
         p = teacher_probs(target, true)
         logq = target.lm_head(pred.to(target.dtype)).float().log_softmax(-1)

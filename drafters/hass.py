@@ -137,11 +137,11 @@ class HassDrafter(EagleDrafter):
 
     @classmethod
     def step_targets(cls, batch, target, loss_mask: str = "predicted"):
-        """(e(t_{i+1}) [B, n, H], loss positions [B, n-1], targets f_{i+1} [M, H], the target's law p [M, V]);
+        """(e(t_{i+1}) [B, n, H], loss positions [B, n], targets f_{i+1} [M, H], the target's law p [M, V]);
         loss_mask: the positions' form (eagle.trained_positions)."""
         emb = target.decoder.embed_tokens(batch.input_ids[:, 1:])  # e(t_{i+1})
-        mask_tok = trained_positions(batch.loss_mask, loss_mask)  # F_{i+1} -> predicts t_{i+2}
-        true = batch.hidden[:, 1:-1][mask_tok]
+        mask_tok = trained_positions(batch.loss_mask, batch.attn_mask, loss_mask)  # [B, n]: F_{i+1} trains
+        true = batch.hidden[:, 1:][mask_tok]
         return emb, mask_tok, true, teacher_probs(target, true)
 
     @classmethod
@@ -207,7 +207,7 @@ class HassDrafter(EagleDrafter):
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps,
                                  attention=opts.train_attention)
         for j, pred_all in enumerate(steps, 1):
-            loss, parts = cls.step_loss(pred_all[:, :-1][mask_tok], true, p, target, opts.topk, w_topk)
+            loss, parts = cls.step_loss(pred_all[mask_tok], true, p, target, opts.topk, w_topk)
             yield loss, {f"{k}{j}": v for k, v in parts.items()}
 
     @classmethod

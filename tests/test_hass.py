@@ -180,19 +180,34 @@ def test_the_authors_training_attention_trains_and_drafting_stays_additive():
     assert HassDrafter.load_module(target, None, {"train_attention": "authors"}).body.config._attn_implementation == "sdpa"
 
 
+def authors_loss_masks(answers: list[list[int]], width: int) -> torch.Tensor:
+    """SafeAILab/EAGLE eagle/train/main.py, transcribed: each sequence's loss_mask as its data gives it (1 on answer
+    tokens), `loss_mask[-1] = 0` (the last token's target is the zero padding), right-padded with 0 to the batch's
+    width; position j's prediction reads hidden[j] and t_{j+1} and targets hidden[j+1]."""
+    rows = []
+    for m in answers:
+        m = list(m)
+        m[-1] = 0
+        rows.append(m + [0] * (width - len(m)))
+    return torch.tensor(rows)
+
+
 @pytest.mark.parametrize("name", ["eagle", "hass", "coral"])
-def test_the_authors_loss_mask_is_ours_two_positions_earlier(name):
-    """module.loss_mask=authors (their main.py: loss_mask[j] beside the target hidden[j+1]) trains the predictions
-    whose input token t_i is an answer token; ours, those whose predicted token t_{i+2} is. So theirs on a mask equals
-    ours on that mask shifted two positions later, for every drafter of the family."""
+def test_the_authors_loss_mask_is_their_main_py(name):
+    """module.loss_mask=authors trains the positions of their main.py (transcribed above), ours those whose predicted
+    token t_{i+2} is an answer token; every drafter of the family trains on the option's positions."""
     from drafters.coral import CoralDrafter
     from drafters.eagle import EagleDrafter, trained_positions
     from specbench.errors import SpecbenchError
     from specbench.train.trainer import Batch
 
-    answer = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])  # t_3 .. t_6
-    assert trained_positions(answer).int().tolist() == [[0, 1, 1, 1, 1]]  # i = 1, 2 predict t_3, t_4
-    assert trained_positions(answer, "authors").int().tolist() == [[0, 0, 0, 1, 1]]
+    answers = [[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1]]  # a full-width row and a right-padded one (T = 7)
+    loss = torch.tensor([a + [0] * (7 - len(a)) for a in answers])
+    real = torch.tensor([[1] * len(a) + [0] * (7 - len(a)) for a in answers])
+    theirs = authors_loss_masks(answers, 7)[:, :-1]  # i = 0 .. T-2 (their j = T-1 is always 0)
+    assert torch.equal(trained_positions(loss, real, "authors").int(), theirs)
+    assert trained_positions(loss, real).int().tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]  # t_{i+2}
+    assert theirs.tolist() == [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0]]
     cls = {"eagle": EagleDrafter, "hass": HassDrafter, "coral": CoralDrafter}[name]
     with pytest.raises(SpecbenchError, match="loss_mask='inputs'"):
         cls.options(loss_mask="inputs")
@@ -204,13 +219,13 @@ def test_the_authors_loss_mask_is_ours_two_positions_earlier(name):
     hidden = target.prefill(ids, target.new_cache()).hidden
     ones = torch.ones(2, 12, dtype=torch.long)
     mask = torch.zeros(2, 12, dtype=torch.long)
-    mask[0, 4:], mask[1, 7:] = 1, 1
-    later = torch.zeros_like(mask)
-    later[:, 2:] = mask[:, :-2]
+    mask[0, 4:10], mask[1, 7:10] = 1, 1  # no answer token at T-2, T-1: theirs trains no i past T-3 (ours cannot)
 
-    def loss(m, form):
+    def loss_of(m, form):
         with torch.no_grad():
             return cls.training_loss(head, Batch(ids, m, ones, hidden, hidden), target, cls.options(loss_mask=form))[0]
 
-    torch.testing.assert_close(loss(mask, "authors"), loss(later, "predicted"))
-    assert not torch.allclose(loss(mask, "authors"), loss(mask, "predicted"))
+    later = torch.zeros_like(mask)  # ours on a mask that marks t_{i+2} wherever theirs trains i
+    later[:, 2:] = mask[:, :-2]
+    torch.testing.assert_close(loss_of(mask, "authors"), loss_of(later, "predicted"))
+    assert not torch.allclose(loss_of(mask, "authors"), loss_of(mask, "predicted"))
