@@ -25,7 +25,8 @@ def kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
 def per_sequence_weights(rows: torch.Tensor) -> torch.Tensor:
     """Weights over the selected positions rows [B, T] (bool) -> [M] (M = rows.sum()), each of the n_b positions of
     sequence b weighing 1 / (n_b x the sequences with any): the mean of each sequence's mean, as a trainer that takes
-    one sequence per micro-batch and accumulates weighs them (MoA's authors, `mini_batch_size: 1`)."""
+    one sequence per micro-batch and accumulates weighs them (MoA's authors, `mini_batch_size: 1`), except that a
+    sequence without answer tokens is left out here where theirs counts it at ~0 in the mean."""
     n = rows.sum(1)  # [B]
     per_row = torch.where(n > 0, 1.0 / (n.clamp(min=1) * (n > 0).sum()), torch.zeros((), device=rows.device))
     return per_row[:, None].expand_as(rows)[rows].float()
