@@ -21,7 +21,6 @@ def kl(p: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     return (p * (p.clamp_min(1e-30).log() - logq)).sum(-1).mean()
 
 
-@torch.no_grad()
 def per_sequence_weights(rows: torch.Tensor) -> torch.Tensor:
     """Weights over the selected positions rows [B, T] (bool) -> [M] (M = rows.sum()), each of the n_b positions of
     sequence b weighing 1 / (n_b x the sequences with any): the mean of each sequence's mean, as a trainer that takes
@@ -37,6 +36,7 @@ def weighted_mean(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     return x.mean() if w is None else (x * w).sum()
 
 
+@torch.no_grad()
 def top1(logq: torch.Tensor, p: torch.Tensor) -> float:
     """Fraction of rows whose argmax agrees."""
     return (logq.argmax(-1) == p.argmax(-1)).float().mean().item()
