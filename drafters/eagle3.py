@@ -284,7 +284,12 @@ def load_authors_eagle3(path: Path, target) -> Eagle3Head:
     # SGLang's eagle_config names the output of layer i (it captures the input of layer i + 1); a top-level list, as
     # vLLM reads it, names the input of layer i: our hidden_states index
     sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    layers = [i + 1 for i in sglang] if sglang else cfg.get("eagle_aux_hidden_state_layer_ids")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if sglang and top and [i + 1 for i in sglang] != list(top):  # each engine would fuse other layers, silently
+        raise SpecbenchError(f"checkpoint {path}: eagle_config's layer ids {list(sglang)} (SGLang: layer outputs) and "
+                             f"the top-level eagle_aux_hidden_state_layer_ids {list(top)} (vLLM: layer inputs) "
+                             "name different layers")
+    layers = [i + 1 for i in sglang] if sglang else top
     layers = tuple(layers) if layers else default_layers(base.num_hidden_layers)
     if any(not 0 <= i < base.num_hidden_layers for i in layers):
         raise SpecbenchError(f"checkpoint {path}: EAGLE-3 layer ids {list(layers)} (as hidden_states indices) are "

@@ -16,8 +16,9 @@ Information flow (Fig. 1, Algorithm 1):
     target's cached K/V of verified tokens plus the drafter's own K/V of the drafted path, then the final norm and
     LM head; TLI = 0 feeds o^ to the LM head directly.
 Parameter names are the authors' (`layer_self_attention.*`, `Ekv2E.*`, `self_attention.*`, `cross_attention.*`), so
-their published checkpoint (huawei-noah/MOASpec-Llama-3-8B-Instruct) loads as it is: `load_authors_moa` reads every
-width and head count from its tensors (the LSA's query heads by the authors' rule, the target's head count).
+their published checkpoint (huawei-noah/MOASpec-Llama-3-8B-Instruct) loads as it is, in their training's layout or in
+their vLLM port's: `load_authors_moa` reads every width and head count from its tensors (the LSA's query heads by the
+authors' rule, the target's head count) and checks the widths a vLLM-layout config.json records against them.
 
 Training (the authors' moa_spec.py forward and trainer):
   - blocks: per sequence `every` ~ randint(6, 15) (6..14); positions i with i % every == 0, and every non-answer
@@ -45,7 +46,7 @@ Where we differ, and why:
     one epoch, then stays there.
   - block lengths: their code's randint(6, 15), 6..14 (Table 6: U{5..15});
   - widths: their code's ratios to Llama-3-8B (WIDTHS["code"], the default; Table 6's differ in five of six and
-    are `widths: table6`), scaled to the target with K/V heads rounded to a divisor of the query heads. Their rule
+    are `widths: table6`; which set their published checkpoint holds is not known here, docs/drafters.md), scaled to the target with K/V heads rounded to a divisor of the query heads. Their rule
     for the LSA (the target's 9 query heads at width 2 E_kv = 384) gives a head size of 42.7 on SmolLM2; we take
     heads of 64, the head size of their own Llama-3-8B instance (2048 / 32): 6.
   - TLI while drafting (tli_context): the paper's Algorithm 1 (the TLI layers attend to the target's cached K/V of
@@ -791,10 +792,18 @@ class MoADrafter(TrainableDrafter):
 
 
 # ---- the authors' published layout -----------------------------------------------------------------------------------
-# huawei-noah/MOASpec-Llama-3-8B-Instruct: `save_pretrained` of their MOASpecLlamaForCausalLM with the state dict cut to
-# the drafter's tensors: config.json is the target's Llama config (their constructor's widths are arguments, not config
-# fields), model.safetensors holds `layer_self_attention.*`, `Ekv2E.*`, `self_attention.*`, `cross_attention.*`.
+# Two forms of the same tensors (`layer_self_attention.*`, `Ekv2E.*`, `self_attention.*`, `cross_attention.*`):
+#   training's: `save_pretrained` of their MOASpecLlamaForCausalLM with the state dict cut to the drafter's tensors;
+#     config.json is the target's Llama config (the widths are constructor arguments, not config fields);
+#   vLLM's (their vllm/convert_checkpoint.py, what their README serves huawei-noah/MOASpec-Llama-3-8B-Instruct with, and
+#     the hub's `moa_spec` tag on it): model_type "moa_spec", num_hidden_layers and num_key_value_heads deleted, every
+#     width written into config.json from the tensors (CONVERTED_WIDTHS), which we check against the tensors.
 AUTHORS_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size")
+CONVERTED_FIELDS = ("hidden_size", "num_attention_heads", "vocab_size")
+CONVERTED_WIDTHS = {"self_attention_num_key_value_heads": "sa_kv_heads", "self_attention_intermediate_size": "sa_mlp",
+                    "cross_attention_num_key_value_heads": "ca_kv_heads", "cross_attention_intermediate_size": "ca_mlp",
+                    "layer_self_attention_num_key_value_heads": "lsa_kv_heads",
+                    "layer_self_attention_intermediate_size": "lsa_mlp"}
 
 
 def is_authors_layout(path: Path) -> bool:
@@ -807,7 +816,11 @@ def load_authors_moa(path: Path, target, tli: int) -> MoAModule:
     """Build the module the checkpoint's tensors describe (every width and head count read from them; the LSA's query
     heads by the authors' rule, the target's count) and load it; each misfit is one line naming it."""
     cfg = json.loads((path / "config.json").read_text())
-    check_authors_config(path, cfg, target, AUTHORS_FIELDS, "a MoA drafter")
+    converted = cfg.get("model_type") == "moa_spec"
+    check_authors_config(path, cfg, target, CONVERTED_FIELDS if converted else AUTHORS_FIELDS, "a MoA drafter")
+    if cfg.get("disable_LSA"):
+        raise SpecbenchError(f"checkpoint {path} is a MoA drafter without its Layer Self-Attention (disable_LSA), "
+                             "which this drafter always has")
     base = target.model.config
     state = read_state(path)
     if "Ekv2E.weight" not in state:
@@ -830,6 +843,11 @@ def load_authors_moa(path: Path, target, tli: int) -> MoAModule:
                       sa_mlp=width("self_attention.mlp.gate_proj.weight", 1),
                       ca_kv_heads=width("cross_attention.self_attn.k_proj.weight", dh),
                       ca_mlp=width("cross_attention.mlp.gate_proj.weight", 1))
+    recorded = {key: (cfg[key], getattr(opts, field)) for key, field in CONVERTED_WIDTHS.items() if key in cfg}
+    recorded["kv_hidden_size"] = (cfg.get("kv_hidden_size", 2 * nkv * dh), 2 * nkv * dh)
+    for key, (theirs, tensors) in recorded.items():
+        if theirs != tensors:
+            raise SpecbenchError(f"checkpoint {path}: config.json records {key}={theirs}, its tensors {tensors}")
     module = MoADrafter.build_module(target, opts)
     params = dict(module.named_parameters())
     copy_state(path, state, params, "a MoA drafter")

@@ -169,6 +169,8 @@ def test_a_head_in_the_authors_layout_loads_and_decodes_losslessly(tmp_path):
     (lambda s, c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 6]), "layer ids \\[1, 3, 6\\]"),
     (lambda s, c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [-2, 2, 4]}), "outside the target"),
     (lambda s, c: c.update(target_hidden_size=64), "target states of width 64"),
+    (lambda s, c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 3]},
+                           eagle_aux_hidden_state_layer_ids=[1, 3, 5]), "name different layers"),
 ])
 def test_a_misfit_authors_head_is_one_line(tmp_path, edit, message):
     target = tiny_target(seed=0)

@@ -212,10 +212,11 @@ def test_a_medusa_checkpoint_that_does_not_fit_gets_one_line(tmp_path, kwargs, m
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def write_authors_moa(path, target, drop=(), extra=None, config=None):
-    """MoA's drafter as its authors' save_pretrained writes it: the target's config.json, the drafter's tensors in
-    model.safetensors (bf16), from specbench.replicas.moa_state (their rule, not drafters/moa.py)."""
-    from specbench.tools.replicas import moa_state
+def write_authors_moa(path, target, drop=(), extra=None, config=None, layout="training"):
+    """MoA's drafter as its authors' save_pretrained writes it (layout `training`: the target's config.json) or as
+    their vllm/convert_checkpoint.py rewrites that (`vllm`: model_type moa_spec, the widths recorded), the drafter's
+    tensors in model.safetensors (bf16), from specbench.replicas.moa_state (their rule, not drafters/moa.py)."""
+    from specbench.tools.replicas import moa_state, moa_vllm_config
 
     cfg = target.model.config
     state = moa_state(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, seed=4)
@@ -223,8 +224,10 @@ def write_authors_moa(path, target, drop=(), extra=None, config=None):
     for k in drop:
         state.pop(k)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**cfg.to_dict(), "architectures": ["MOASpecLlamaForCausalLM"],
-                                                  **(config or {})}))
+    written = {**cfg.to_dict(), "architectures": ["MOASpecLlamaForCausalLM"]}
+    if layout == "vllm":
+        written = moa_vllm_config(written, state)
+    (path / "config.json").write_text(json.dumps({**written, **(config or {})}))
     save_file({k: v.bfloat16() for k, v in state.items()}, str(path / "model.safetensors"))
     return state
 
@@ -232,14 +235,15 @@ def write_authors_moa(path, target, drop=(), extra=None, config=None):
 LLAMA3_LIKE = (128, 64, 8, 2, 128)  # Llama-3-8B's 4:1 grouped-query structure, scaled down
 
 
-@pytest.mark.parametrize("tli", [0, 1])
-def test_the_published_moa_layout_loads_and_decodes_losslessly(tmp_path, tli):
-    """huawei-noah/MOASpec-Llama-3-8B-Instruct's layout: widths and head counts read from the tensors, every tensor
-    in place, and the drafter lossless through the engine (TLI from the YAML: their checkpoint does not record it)."""
+@pytest.mark.parametrize(("tli", "layout"), [(0, "training"), (1, "training"), (0, "vllm"), (1, "vllm")])
+def test_the_published_moa_layout_loads_and_decodes_losslessly(tmp_path, tli, layout):
+    """huawei-noah/MOASpec-Llama-3-8B-Instruct's layouts (their training's and their vLLM port's): widths and head
+    counts read from the tensors, every tensor in place, and the drafter lossless through the engine (TLI from the
+    YAML: their checkpoint does not record it)."""
     from drafters.moa import MoADrafter
 
     target = target_of(LLAMA3_LIKE, layers=3)
-    state = write_authors_moa(tmp_path / "moa", target)
+    state = write_authors_moa(tmp_path / "moa", target, layout=layout)
     drafter = MoADrafter(target, checkpoint=str(tmp_path / "moa"), module={"tli": tli},
                          tree={"kind": "dynamic", "depth": 3, "topk": 3, "total_tokens": 8})
     net = drafter.net
@@ -262,6 +266,12 @@ def test_the_published_moa_layout_loads_and_decodes_losslessly(tmp_path, tli):
     ({"config": {"rope_theta": 500000.0}}, "MoA drafter for rope_theta=500000; the target 't' has 10000"),
     ({"extra": {"Ekv2E.weight": torch.zeros(64, 16)}}, "Ekv2E.weight is (64, 16), the target 't' needs (64, 32)"),
     ({"drop": ("Ekv2E.weight", "Ekv2E.bias")}, "is not a MoA drafter in its authors' layout (no Ekv2E.weight)"),
+    ({"layout": "vllm", "config": {"hidden_size": 128}}, "MoA drafter for hidden_size=128; the target 't' has 64"),
+    ({"layout": "vllm", "config": {"disable_LSA": True}}, "without its Layer Self-Attention (disable_LSA)"),
+    ({"layout": "vllm", "config": {"self_attention_intermediate_size": 512}},
+     "config.json records self_attention_intermediate_size=512, its tensors 96"),
+    ({"layout": "vllm", "config": {"layer_self_attention_num_key_value_heads": 4}},
+     "config.json records layer_self_attention_num_key_value_heads=4, its tensors 2"),
 ])
 def test_a_moa_checkpoint_that_does_not_fit_gets_one_line(tmp_path, kwargs, message):
     from drafters.moa import MoADrafter

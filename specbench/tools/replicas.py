@@ -310,13 +310,32 @@ def moa_state(hidden: int, heads: int, kv_heads: int, seed: int) -> dict[str, to
     return state
 
 
+def moa_vllm_config(llama: dict, state: dict[str, torch.Tensor]) -> dict:
+    """config.json as the authors' vllm/convert_checkpoint.py rewrites a trained MoA drafter's (the target's Llama
+    config) for their vLLM port: model_type `moa_spec`, the Llama-only fields deleted, every width read from the
+    tensors (K/V heads as the K rows over the head size, the head size as the layer's width over the query heads)."""
+    drop = ("num_hidden_layers", "_name_or_path", "attention_bias", "attention_dropout", "bos_token_id", "eos_token_id",
+            "initializer_range", "intermediate_size", "pretraining_tp", "tie_word_embeddings", "use_cache",
+            "num_key_value_heads")
+    cfg = {k: v for k, v in llama.items() if k not in drop}
+    cfg.update(model_type="moa_spec", architectures=["MOASpecModel"], disable_LSA=False)
+    heads = cfg["num_attention_heads"]
+    for name, key in (("self_attention", "self_attention"), ("cross_attention", "cross_attention"),
+                      ("layer_self_attention", "layer_self_attention")):
+        q, k = state[f"{name}.self_attn.q_proj.weight"], state[f"{name}.self_attn.k_proj.weight"]
+        cfg[f"{key}_num_key_value_heads"] = k.shape[0] // (q.shape[1] // heads)
+        cfg[f"{key}_intermediate_size"] = state[f"{name}.mlp.up_proj.weight"].shape[0]
+    cfg["kv_hidden_size"] = state["layer_self_attention.self_attn.q_proj.weight"].shape[0]
+    return cfg
+
+
 def moa_drafter(target: dict, seed: int) -> dict[str, bytes]:
-    """huawei-noah/MOASpec-Llama-3-8B-Instruct: the target's Llama config.json (their widths are constructor
-    arguments, not config fields) and model.safetensors (bf16) with the drafter's tensors only."""
+    """huawei-noah/MOASpec-Llama-3-8B-Instruct as the hub holds it (tagged `moa_spec`, served by the authors' vLLM
+    port): the target's Llama config.json as their convert_checkpoint.py rewrites it (moa_vllm_config) and
+    model.safetensors (bf16) with the drafter's tensors only."""
     t: Target = target["target"]
-    cfg = llama_config(t, target["vocab"], target["bos"], target["eos"])
-    cfg["architectures"] = ["MOASpecLlamaForCausalLM"]
     state = {k: v.bfloat16() for k, v in moa_state(HIDDEN, t.heads, t.kv_heads, seed).items()}
+    cfg = moa_vllm_config(llama_config(t, target["vocab"], target["bos"], target["eos"]), state)
     return {"config.json": _json(cfg), "model.safetensors": _safetensors_bytes(state, target["tmp"])}
 
 
