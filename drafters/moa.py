@@ -41,7 +41,7 @@ Where we differ, and why:
     positions, which is what drafting sees (the training prediction equals the decoding path, tests/test_moa.py).
     The authors run them causally over the predicted inputs of every earlier position (true at block starts only;
     their comment: "assume errors because fully on-policy needs multiple forward pass"): our features hold the true
-    K/V of every layer, so the on-policy mask costs nothing here.
+    K/V of every layer, so the on-policy mask costs nothing here. `tli_training: causal` trains theirs.
   - lr schedule: the budget's (warm-up, cosine) as every method's; theirs warms up to 20 x lr and decays to lr over
     one epoch, then stays there.
   - block lengths: their code's randint(6, 15), 6..14 (Table 6: U{5..15});
@@ -194,6 +194,11 @@ class MoAOptions:
     # verified tokens and the drafted path's (papers/002 Sec. 3.2, Algorithm 1); none: nothing (the authors'
     # inference code runs them without a cache, use_cache=False, on one level's sibling rows)
     tli_context: str = "target"
+    # training, TLI > 0: what the TLI layers attend to. drafting: what they see while drafting (the target's true K/V
+    # up to the block start, then the block's predicted positions); causal: the authors' training (moa_spec.py), one
+    # causal pass over the TLI input, predicted everywhere but block starts ("assume errors because fully on-policy
+    # needs multiple forward pass")
+    tli_training: str = "drafting"
     # training (the authors' moa_spec.py): block lengths ~ randint(block_min, block_max + 1) per sequence
     block_min: int = 6
     block_max: int = 14
@@ -207,6 +212,8 @@ class MoAOptions:
     def __post_init__(self):
         if self.loss_weighting not in ("token", "sequence"):
             raise SpecbenchError(f"moa loss_weighting={self.loss_weighting!r} is not one of token, sequence")
+        if self.tli_training not in ("drafting", "causal"):
+            raise SpecbenchError(f"moa tli_training={self.tli_training!r} is not one of drafting, causal")
 
 
 def resolve_widths(opts: MoAOptions, e: int, nh: int, nkv: int, lsa_width: int, lsa_heads: int) -> dict[str, int]:
@@ -337,7 +344,8 @@ class MoADrafter(TrainableDrafter):
         return MoAModule(target, opts).to(target.device)
 
     # options the module's shape ignores: training's
-    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight", "loss_weighting")
+    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight", "loss_weighting",
+                     "tli_training")
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:
@@ -368,13 +376,15 @@ class MoADrafter(TrainableDrafter):
 
     @classmethod
     def predict(cls, net, target, ids, kv, pre_pad, starts, staircase: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None, tli_input: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, tli_input: torch.Tensor | None = None, tli_causal: bool = False):
         """Teacher-forced prediction: ids [B, T], kv [B, T, L, 2E_kv], pre_pad [B, T] (1 = real), starts [B, T] =
         start(i), staircase [B] bool (SA within the block) -> (o^ [B, T, E], the LM head's input [B, T, E], logits);
         with `rows` [B, T] bool the 49k-row LM head and the outputs are taken there only ([M, ...]). With TLI > 0 and
         `tli_input` [B, T, E] (the target's true input of the first TLI layer), the TLI layers take it, not o^, at
         block starts, as the authors' forward overwrites it there: the final loss at a block start (a query never
-        drafted) then trains nothing of the drafter, and its prediction is the target's own."""
+        drafted) then trains nothing of the drafter, and its prediction is the target's own. `tli_causal`: the TLI
+        layers take their K/V from their own input at every position, causally (the authors' training), not the
+        target's true K/V up to start(i)."""
         b, t = ids.shape
         dev = ids.device
         idx = torch.arange(t, device=dev)
@@ -400,6 +410,8 @@ class MoADrafter(TrainableDrafter):
             allowed = torch.cat([ca_allowed, own], -1)[:, None]  # true K/V up to start(i), predicted after it
             for i, layer in enumerate(target.decoder.layers[first:]):
                 k, v = cls._layer_kv(kv, first + i, nkv)
+                if tli_causal:  # no past: every key is the layer's own input's, predicted but at block starts
+                    k, v, allowed = k[:, :, :0].to(x.dtype), v[:, :, :0].to(x.dtype), causal[:, None]
                 x, _, _ = target_layer(layer, target.decoder.rotary_emb, x, pos, k, v, allowed)
             x = target.decoder.norm(x)
         if rows is not None:
@@ -417,7 +429,7 @@ class MoADrafter(TrainableDrafter):
         rows = (batch.loss_mask * batch.attn_mask).bool()  # every answer position (the authors' response_mask)
         true_in = batch.pre[:, :, module.tli - 1] if module.tli else None  # [B, T, E] the first TLI layer's input
         out, final, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts, stair,
-                                         rows, true_in)
+                                         rows, true_in, opts.tli_training == "causal")
         p = teacher_probs(target, batch.hidden[rows])  # [M, V]
         logq = logits.log_softmax(-1)
         w = per_sequence_weights(rows) if opts.loss_weighting == "sequence" else None  # [M] or None: a plain mean

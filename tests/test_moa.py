@@ -268,3 +268,28 @@ def test_a_run_drafting_without_the_tli_context_is_named_apart():
     assert name({"tli_context": "target"}) == name({}) != name({"tli_context": "none"})
     assert name({"block_min": 3}) == name({})  # a training option is not the run's
     assert MoADrafter.options(MoADrafter.decoding_options({"tli": 1, "tli_context": "none"})).tli_context == "none"
+
+
+@pytest.mark.parametrize("tli", [1, 2])
+def test_the_authors_tli_training_is_one_causal_pass_over_the_tli_input(tli):
+    """tli_training=causal, the authors' moa_spec.py: the TLI input (o^, the true input at block starts) runs through
+    the target's last TLI layers as transformers runs them, one causal pass, no target K/V; `drafting` differs."""
+    target, net, ids, kv = setup(tli)
+    t = ids.shape[1]
+    starts = block_starts(torch.ones(1, t, dtype=torch.long), torch.tensor([5]))
+    at_start = (starts[0] == torch.arange(t))[None, :, None]
+    real = torch.ones(1, t, dtype=torch.long)
+    with torch.no_grad():
+        true_in = target.decoder(input_ids=ids, output_hidden_states=True).hidden_states[len(target.decoder.layers) - tli]
+        out, _, logits = MoADrafter.predict(net, target, ids, kv, real, starts, tli_input=true_in, tli_causal=True)
+        x, pos = torch.where(at_start, true_in, out), torch.arange(t)[None]
+        mask = torch.full((t, t), torch.finfo(x.dtype).min).triu(1)[None, None]  # theirs: attention_mask_tli
+        for layer in target.decoder.layers[len(target.decoder.layers) - tli:]:
+            y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=target.decoder.rotary_emb(x, pos))
+            x = y[0] if isinstance(y, tuple) else y
+        theirs = target.lm_head(target.decoder.norm(x))
+        torch.testing.assert_close(logits, theirs, atol=1e-4, rtol=1e-4)
+        _, _, drafting = MoADrafter.predict(net, target, ids, kv, real, starts, tli_input=true_in)
+    assert not torch.allclose(drafting[0, ~at_start[0, :, 0]], theirs[0, ~at_start[0, :, 0]], atol=1e-3)
+    with pytest.raises(SpecbenchError, match="tli_training='both' is not one of drafting, causal"):
+        MoADrafter.options(tli=1, tli_training="both")
