@@ -407,11 +407,15 @@ class MoADrafter(TrainableDrafter):
                 x = torch.where((starts == idx[None])[..., None], tli_input.to(out.dtype), out)
             nkv = target.decoder.layers[0].self_attn.k_proj.out_features // target.decoder.layers[0].self_attn.head_dim
             first = len(target.decoder.layers) - net.tli
-            allowed = torch.cat([ca_allowed, own], -1)[:, None]  # true K/V up to start(i), predicted after it
+            if tli_causal:  # no past K/V: every key is the layer's own input's (predicted but at block starts)
+                allowed = causal[:, None]
+            else:  # the target's true K/V up to start(i), the layer's own (predicted) keys after it
+                allowed = torch.cat([ca_allowed, own], -1)[:, None]
             for i, layer in enumerate(target.decoder.layers[first:]):
-                k, v = cls._layer_kv(kv, first + i, nkv)
-                if tli_causal:  # no past: every key is the layer's own input's, predicted but at block starts
-                    k, v, allowed = k[:, :, :0].to(x.dtype), v[:, :, :0].to(x.dtype), causal[:, None]
+                if tli_causal:
+                    k = v = x.new_zeros(b, nkv, 0, layer.self_attn.head_dim)  # [B, kv_heads, 0, head_dim]
+                else:
+                    k, v = cls._layer_kv(kv, first + i, nkv)
                 x, _, _ = target_layer(layer, target.decoder.rotary_emb, x, pos, k, v, allowed)
             x = target.decoder.norm(x)
         if rows is not None:

@@ -320,11 +320,10 @@ def moa_vllm_config(llama: dict, state: dict[str, torch.Tensor]) -> dict:
     cfg = {k: v for k, v in llama.items() if k not in drop}
     cfg.update(model_type="moa_spec", architectures=["MOASpecModel"], disable_LSA=False)
     heads = cfg["num_attention_heads"]
-    for name, key in (("self_attention", "self_attention"), ("cross_attention", "cross_attention"),
-                      ("layer_self_attention", "layer_self_attention")):
+    for name in ("self_attention", "cross_attention", "layer_self_attention"):  # tensor prefix = config key prefix
         q, k = state[f"{name}.self_attn.q_proj.weight"], state[f"{name}.self_attn.k_proj.weight"]
-        cfg[f"{key}_num_key_value_heads"] = k.shape[0] // (q.shape[1] // heads)
-        cfg[f"{key}_intermediate_size"] = state[f"{name}.mlp.up_proj.weight"].shape[0]
+        cfg[f"{name}_num_key_value_heads"] = k.shape[0] // (q.shape[1] // heads)
+        cfg[f"{name}_intermediate_size"] = state[f"{name}.mlp.up_proj.weight"].shape[0]
     cfg["kv_hidden_size"] = state["layer_self_attention.self_attn.q_proj.weight"].shape[0]
     return cfg
 
