@@ -94,15 +94,20 @@ class CoralDrafter(HassDrafter):
         return loss, parts
 
 
+ROUTINGS = ("grouped", "masked")
+
+
 class LMHeadRouter(nn.Module):
     """Eq. 7: group logits W h [..., N] for a vocabulary of `vocab` tokens in N contiguous groups."""
 
-    def __init__(self, hidden: int, vocab: int, groups: int, active: int):
+    def __init__(self, hidden: int, vocab: int, groups: int, active: int, routing: str = "grouped"):
         super().__init__()
         if not 1 <= active <= groups <= vocab:
             raise ValueError(f"router needs 1 <= active ({active}) <= groups ({groups}) <= vocab ({vocab})")
+        if routing not in ROUTINGS:
+            raise ValueError(f"drafter.module.routing={routing!r}: one of {', '.join(ROUTINGS)}")
         self.proj = nn.Linear(hidden, groups, bias=False)
-        self.vocab, self.groups, self.active = vocab, groups, active
+        self.vocab, self.groups, self.active, self.routing = vocab, groups, active, routing
         self.group_size = -(-vocab // groups)  # the last group may be shorter
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -114,11 +119,15 @@ class LMHeadRouter(nn.Module):
         return F.pad(p, (0, pad)).view(*p.shape[:-1], self.groups, self.group_size).sum(-1)
 
     def log_probs(self, weight: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-        """Eq. 8 with only the top-`active` groups of each row computed. weight [V, H] (the LM head's),
-        f [..., H] -> log q [..., V] (-inf outside the row's active groups)."""
+        """Eq. 8 over each row's top-`active` groups. weight [V, H] (the LM head's), f [..., H] -> log q [..., V]
+        (-inf outside the row's active groups). `grouped` computes only the active groups' rows of the LM head (the
+        paper's saving; a host read of the choices per call); `masked` computes the whole head in one matmul and
+        keeps the active groups (no host read: one sync per step, the tree one compiled region; the same q)."""
         shape, f = f.shape, f.reshape(-1, f.shape[-1])
         log_r = self.proj(f.to(self.proj.weight.dtype)).float().log_softmax(-1)  # [R, N]
         top = log_r.topk(self.active, dim=-1).indices  # [R, k]
+        if self.routing == "masked":
+            return self._masked(weight, f, log_r, top).reshape(*shape[:-1], self.vocab)
         out = torch.full((f.shape[0], self.vocab), float("-inf"), device=f.device)
         x = f.to(weight.dtype)
         # each active group's rows of the LM head once, for the rows that chose it; which rows chose which group is
@@ -138,12 +147,23 @@ class LMHeadRouter(nn.Module):
             out[rows, lo:hi] = inner + log_r[rows, g : g + 1]
         return out.reshape(*shape[:-1], self.vocab)
 
+    def _masked(self, weight: torch.Tensor, f: torch.Tensor, log_r: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """log q [R, V] from the whole LM head: per group log r_g + the in-group log-softmax, -inf where not active."""
+        r = f.shape[0]
+        logits = F.linear(f.to(weight.dtype), weight).float()  # [R, V]
+        pad = self.groups * self.group_size - self.vocab  # the last group's missing rows: -inf, out of its softmax
+        inner = F.pad(logits, (0, pad), value=float("-inf")).view(r, self.groups, self.group_size).log_softmax(-1)
+        active = torch.zeros_like(log_r, dtype=torch.bool).scatter_(1, top, True)  # [R, N]
+        out = torch.where(active[..., None], inner + log_r[..., None], float("-inf"))  # [R, N, G]
+        return out.view(r, -1)[:, : self.vocab]
+
 
 @dataclass
 class CoralRouterOptions:
     base: str | None = None  # the trained stage-1 CORAL head (training only: the router checkpoint holds it too)
     groups: int = 16  # N vocabulary groups (paper's best: 16)
     active: int = 2  # top-k groups active while drafting (paper's best: 2)
+    routing: str = "grouped"  # decoding only: grouped (the active groups' LM-head rows) | masked (LMHeadRouter.log_probs)
 
 
 @functools.lru_cache(maxsize=8)
@@ -160,9 +180,13 @@ class CoralRouterDrafter(CoralDrafter):
     name = "coral_router"
     Options = CoralRouterOptions
     prunable = False  # the router already restricts the LM head to its active groups (module.draft_vocab refused)
-    # its LM head reads each row's chosen groups on the host (LMHeadRouter.log_probs): a graph would break there and
-    # specialise on the groups, so with model.compile its levels stay eager between the compiled head forwards
-    traceable = False
+
+    @property
+    def traceable(self) -> bool:
+        # `grouped` reads each row's chosen groups on the host (LMHeadRouter.log_probs): a graph would break there
+        # and specialise on the groups, so with model.compile its levels stay eager between the compiled head
+        # forwards; `masked` has no host read and grows the tree in one compiled region, as eagle's
+        return self.head.router.routing == "masked"
 
     @staticmethod
     def head_options(opts: CoralRouterOptions) -> CoralOptions:
@@ -177,13 +201,15 @@ class CoralRouterDrafter(CoralDrafter):
         if opts.base:  # training: start from the trained stage-1 head
             load_checkpoint(opts.base, head, target, CoralDrafter.name)
         head.requires_grad_(False)  # stage 2 trains the router only
-        head.router = LMHeadRouter(target.hidden_size, target.lm_head.weight.shape[0], opts.groups, opts.active)
+        head.router = LMHeadRouter(target.hidden_size, target.lm_head.weight.shape[0], opts.groups, opts.active,
+                                   opts.routing)
         return head.to(target.device)
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:
-        # the router checkpoint holds the head's weights too: the stage-1 `base` is not needed to decode
-        return {k: v for k, v in options.items() if k != "base"}
+        # the router checkpoint holds the head's weights too: the stage-1 `base` is not needed to decode; `routing`
+        # counts only when not the default (runs made before the option keep their names)
+        return {k: v for k, v in options.items() if k != "base" and not (k == "routing" and v == "grouped")}
 
     @staticmethod
     def draft_logits(head, lm_head, f):

@@ -105,6 +105,22 @@ def test_every_drafter_decodes_a_batch_compiled(compiled, name, monkeypatch):
         assert isinstance(own, StaticCache)
 
 
+def test_masked_routing_grows_coral_routers_tree_in_the_compiled_region(compiled, monkeypatch):
+    """coral_router's `grouped` routing reads the rows' groups on the host, so its levels stay eager; `masked` has
+    no host read and grows the tree in the one compiled region, as eagle's: lossless at B = 1 and B = 3."""
+    assert not make_drafter("coral_router", compiled).traceable
+    drafter = make_drafter("coral_router", compiled, "drafter.module.routing=masked")
+    assert drafter.traceable
+    grows = []
+    grow = drafter.region.grow
+    monkeypatch.setattr(drafter.region, "grow", lambda *a: grows.append(1) or grow(*a))
+    engine = Engine(compiled, drafter, SamplingParams())
+    assert engine.generate(PROMPTS[0], 30).new_tokens == hf_greedy(compiled.model, PROMPTS[0], 30)
+    out = engine.generate_batch(PROMPTS[:3], 24)
+    assert [g.new_tokens for g in out.rows] == [hf_greedy(compiled.model, p, 24) for p in PROMPTS[:3]]
+    assert len(grows) >= max(g.steps for g in out.rows)
+
+
 def test_a_batch_recompiles_nothing_once_warm(compiled):
     """After one batch of 3 (bucket 4; rows leaving at different steps), other prompts in a batch of 3 and a last
     batch of 2 (padded into the same bucket) decode through the same graphs; batch 1 keeps a cache of its own."""

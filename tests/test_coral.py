@@ -96,6 +96,27 @@ def test_router_distribution_is_eq8_on_active_groups():
     torch.testing.assert_close(full.log_probs(weight, f).exp().sum(-1), torch.ones(5))
 
 
+@pytest.mark.parametrize("vocab,groups,active", [(10, 3, 2), (12, 4, 1), (7, 7, 3)])
+def test_masked_routing_is_the_grouped_distribution(vocab, groups, active):
+    """`routing=masked` (the whole LM head, then the rows' active groups) gives the q of `grouped` (the active
+    groups' rows only): the same -inf pattern and the same log-probabilities, a last group shorter or not."""
+    torch.manual_seed(vocab)
+    grouped = LMHeadRouter(hidden=8, vocab=vocab, groups=groups, active=active)
+    masked = LMHeadRouter(hidden=8, vocab=vocab, groups=groups, active=active, routing="masked")
+    masked.proj.weight.data = grouped.proj.weight.data
+    weight, f = torch.randn(vocab, 8), torch.randn(2, 3, 8)
+    want, got = grouped.log_probs(weight, f), masked.log_probs(weight, f)
+    assert got.shape == want.shape == (2, 3, vocab)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    torch.testing.assert_close(got[finite], want[finite], atol=1e-6, rtol=1e-5)
+
+
+def test_an_unknown_routing_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="drafter.module.routing='dense': one of grouped, masked"):
+        LMHeadRouter(hidden=8, vocab=10, groups=3, active=2, routing="dense")
+
+
 def test_group_mass_sums_probability_per_group():
     router = LMHeadRouter(hidden=2, vocab=5, groups=2, active=1)  # groups {0,1,2}, {3,4}
     p = torch.tensor([[0.1, 0.2, 0.3, 0.15, 0.25]])

@@ -27,6 +27,16 @@ def test_round_trips_per_step(name):
     assert rt["draft_per_step"] <= DRAFT_BOUND.get(name, 0), rt
 
 
+def test_masked_routing_drafts_without_a_host_read():
+    """coral_router with `routing=masked` (the whole LM head, masked to each row's groups) grows its tree on the
+    device, at B = 1 and B = 4: no drafter read, the engine's one a step (and one a step on which rows leave)."""
+    target = target_for()
+    engine = Engine(target, make_drafter("coral_router", target, "drafter.module.routing=masked"), SamplingParams())
+    for prompts in (PROMPTS[1], [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[1][:9]]):
+        rt = count_round_trips(engine, prompts, 30)
+        assert rt["steps"] >= 5 and rt["draft_per_step"] == 0, rt
+
+
 @pytest.mark.parametrize("name", DRAFTER_CONFIGS)
 def test_round_trips_per_step_at_batch_4(name):
     """At B = 4 (ragged prompts, rows finishing at different steps): one engine read per step for all rows, plus one

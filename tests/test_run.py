@@ -441,3 +441,17 @@ def test_the_batch_path_at_batch_1_names_its_runs_and_the_default_keeps_the_old_
     name = lambda decoding: run_name(run_key(base["model"], base["drafter"], base["dataset"], decoding, 1, 0))  # noqa: E731
     assert name(plain) == name({**plain, "batch_size": 1, "ragged": False})
     assert name({**plain, "ragged": True}) != name(plain)
+
+
+def test_coral_routers_default_routing_keeps_its_runs_names():
+    """drafter.module.routing=grouped (the default, what every committed coral_router run decoded with) is not in
+    the run name; masked is."""
+    from specbench.bench.run import run_key, run_name
+
+    drafter = {"_target_": "drafters.coral.CoralRouterDrafter", "name": "coral_router",
+               "module": {"base": "w/coral", "groups": 16, "active": 2}}
+    decoding = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+    name = lambda module: run_name(run_key({"name": "m"}, {**drafter, "module": module}, {"name": "d"},  # noqa: E731
+                                           decoding, 1, 0))
+    assert name({**drafter["module"], "routing": "grouped"}) == name(drafter["module"])
+    assert name({**drafter["module"], "routing": "masked"}) != name(drafter["module"])
