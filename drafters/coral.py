@@ -113,10 +113,14 @@ class LMHeadRouter(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(h)
 
+    def by_group(self, x: torch.Tensor, fill: float) -> torch.Tensor:
+        """x [..., V] -> [..., N, G]: the vocabulary's groups, the last group's missing entries `fill`."""
+        pad = self.groups * self.group_size - x.shape[-1]
+        return F.pad(x, (0, pad), value=fill).view(*x.shape[:-1], self.groups, self.group_size)
+
     def group_mass(self, p: torch.Tensor) -> torch.Tensor:
         """Eq. 9's target: probability mass per group. p [M, V] -> [M, N]."""
-        pad = self.groups * self.group_size - p.shape[-1]
-        return F.pad(p, (0, pad)).view(*p.shape[:-1], self.groups, self.group_size).sum(-1)
+        return self.by_group(p, 0.0).sum(-1)
 
     def log_probs(self, weight: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         """Eq. 8 over each row's top-`active` groups. weight [V, H] (the LM head's), f [..., H] -> log q [..., V]
@@ -151,8 +155,7 @@ class LMHeadRouter(nn.Module):
         """log q [R, V] from the whole LM head: per group log r_g + the in-group log-softmax, -inf where not active."""
         r = f.shape[0]
         logits = F.linear(f.to(weight.dtype), weight).float()  # [R, V]
-        pad = self.groups * self.group_size - self.vocab  # the last group's missing rows: -inf, out of its softmax
-        inner = F.pad(logits, (0, pad), value=float("-inf")).view(r, self.groups, self.group_size).log_softmax(-1)
+        inner = self.by_group(logits, float("-inf")).log_softmax(-1)  # the last group's missing rows out of its softmax
         active = torch.zeros_like(log_r, dtype=torch.bool).scatter_(1, top, True)  # [R, N]
         out = torch.where(active[..., None], inner + log_r[..., None], float("-inf"))  # [R, N, G]
         return out.view(r, -1)[:, : self.vocab]
