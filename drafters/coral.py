@@ -13,7 +13,9 @@ tau = 0.07 (App. A). Eq. 3, per step: L^j = w_reg L_reg + w_cls L_cls + w_csra L
 EAGLE's), w_cls = 0.1 (EAGLE's); no HASS Top-K term (Eq. 3 has none). App. A sets w_csra per target so that
 w_csra L_CSRA ~ w_reg L_reg; conf/drafter/coral.yaml records the value measured that way here
 (scripts/csra_weight.py). The earlier steps' views enter step j's loss detached (their graphs were already
-backpropagated), so CSRA's gradient reaches step j's anchors only.
+backpropagated), so CSRA's gradient reaches step j's anchors only. `csra_views: graph` keeps every step's graph
+instead and backpropagates the summed L^1 + ... + L^n once, so that L_CSRA^j's gradient also reaches the earlier
+steps' views through their own graphs (n graphs held at once: more memory, the same forwards).
 
 LM-head router (Sec. 3.3, Eq. 7-9). The vocabulary is split into N equal contiguous groups (token ids, so BPE's
 frequent low ids share groups; App. D); a router r = softmax(W h) [N] (Eq. 7: one linear layer on the draft
@@ -23,7 +25,8 @@ against the target's probability mass per group, sum_{x in g} p(x); trained in a
 (the head runs its n harmonized steps so the router sees the features it meets while drafting). Paper: N=16, top-2.
 Drafting stays lossless: the router only changes which tokens are proposed; verification is the engine's.
 
-Deviations (CORAL names no code of its own; docs/drafters.md): the earlier views enter CSRA detached (above); Eq. 2's
+Deviations (CORAL names no code of its own; docs/drafters.md): the earlier views enter CSRA detached (above,
+`csra_views: graph` trains the other reading); Eq. 2's
 positives enter as one sum inside the log; training attention is additive (HASS's `authors` form is HASS's option
 only); the budget's peak lr 3e-4 and cosine (the paper trains at 3e-5, as EAGLE and HASS do).
 """
@@ -55,11 +58,20 @@ def csra_loss(anchors: torch.Tensor, views: list[torch.Tensor], temperature: flo
     return (sim.logsumexp(-1) - sim.masked_fill(~positive, float("-inf")).logsumexp(-1)).mean()
 
 
+CSRA_VIEWS = ("detached", "graph")
+
+
 @dataclass
 class CoralOptions(EagleOptions):  # Eq. 3 has no Top-K term: none of HASS's Top-K options
     steps: int = 3  # the aligned steps n, as HASS's
     csra_weight: float = 0.06  # w_csra (App. A: set so that w_csra L_CSRA ~ w_reg L_reg; scripts/csra_weight.py)
     temperature: float = 0.07  # tau (App. A)
+    csra_views: str = "detached"  # detached: step by step, earlier views detached; graph: one summed graph (above)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.csra_views not in CSRA_VIEWS:  # fails when the options are read, before any work
+            raise ValueError(f"coral csra_views={self.csra_views!r} is not one of {', '.join(CSRA_VIEWS)}")
 
 
 class CoralDrafter(HassDrafter):
@@ -75,15 +87,23 @@ class CoralDrafter(HassDrafter):
     def training_steps(cls, module, batch, target, opts: CoralOptions, epoch: int,
                        progress: float = 0.0) -> Iterator[tuple[torch.Tensor, dict[str, float]]]:
         del epoch, progress  # one objective throughout
+        graph = opts.csra_views == "graph"
         emb, mask_tok, true, p = cls.step_targets(batch, target, opts.loss_mask)
-        earlier: list[torch.Tensor] = []  # F^1 .. F^{j-1} at the loss positions, detached
+        earlier: list[torch.Tensor] = []  # F^1 .. F^{j-1} at the loss positions (detached unless `graph`)
+        total, logged = None, {}  # `graph`: the summed L^j and their parts, yielded once after step n
         steps = harmonized_steps(module, emb, batch.hidden_in[:, :-1], batch.attn_mask[:, 1:], opts.steps)
         for j, pred_all in enumerate(steps, 1):
             pred = pred_all[mask_tok]  # [M, H]
             loss, parts = cls.step_loss(pred, true, p, target, topk=0, topk_weight=0.0)
             csra = csra_loss(pred, [*earlier, true], opts.temperature)
-            earlier.append(pred.detach())
-            yield loss + opts.csra_weight * csra, {f"reg{j}": parts["reg"], f"csra{j}": csra.item()}
+            earlier.append(pred if graph else pred.detach())
+            piece, part = loss + opts.csra_weight * csra, {f"reg{j}": parts["reg"], f"csra{j}": csra.item()}
+            if not graph:
+                yield piece, part
+                continue
+            total, logged = piece if total is None else total + piece, {**logged, **part}
+        if graph:
+            yield total, logged
 
     @classmethod
     def training_loss(cls, module, batch, target, opts: CoralOptions):

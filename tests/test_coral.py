@@ -74,6 +74,49 @@ def test_coral_training_is_eq3_per_step_without_a_topk_term():
             assert pieces[j - 1][0].item() == pytest.approx(want.item(), rel=1e-4)
 
 
+def test_coral_csra_views_graph_backpropagates_the_summed_steps_through_every_view():
+    """`csra_views: graph`: one piece, the sum of the detached form's step losses, whose gradient also reaches the
+    earlier steps' views (so it differs from the step-by-step gradient, and equals a direct sum's)."""
+    from drafters.hass import harmonized_steps
+    from specbench.train.trainer import Batch
+
+    target = TargetModel(tiny_llama(vocab=64, layers=2, seed=1), None, torch.device("cpu"), "tiny")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 10))
+    hidden = target.prefill(ids, target.new_cache()).hidden
+    ones = torch.ones(2, 10, dtype=torch.long)
+    batch = Batch(ids, ones, ones, hidden, hidden)
+
+    def grads(views: str) -> tuple[float, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        opts = CoralDrafter.options(steps=3, csra_weight=0.3, csra_views=views)
+        head = CoralDrafter.build_module(target, opts)
+        total, count = 0.0, 0
+        for piece, _ in CoralDrafter.training_steps(head, batch, target, opts, epoch=0):
+            piece.backward()  # as the trainer does, piece by piece
+            total, count = total + piece.item(), count + 1
+        return total, count, [p.grad.clone() for p in head.parameters() if p.grad is not None]
+
+    loss_d, n_d, g_d = grads("detached")
+    loss_g, n_g, g_g = grads("graph")
+    assert (n_d, n_g) == (3, 1)
+    assert loss_g == pytest.approx(loss_d, rel=1e-5)
+    assert any(not torch.allclose(a, b, atol=1e-7) for a, b in zip(g_d, g_g, strict=True))
+    # the graph form's gradient is that of the summed L^j with nothing detached in CSRA
+    torch.manual_seed(0)
+    opts = CoralDrafter.options(steps=3, csra_weight=0.3)
+    head = CoralDrafter.build_module(target, opts)
+    emb, mask_tok, true, p = CoralDrafter.step_targets(batch, target, opts.loss_mask)
+    preds = [s[mask_tok] for s in harmonized_steps(head, emb, hidden[:, :-1], ones[:, 1:], 3)]
+    want = sum(CoralDrafter.step_loss(pr, true, p, target, topk=0, topk_weight=0.0)[0]
+               + 0.3 * csra_loss(pr, [*preds[:j], true], 0.07) for j, pr in enumerate(preds))
+    want.backward()
+    for a, b in zip(g_g, [p.grad for p in head.parameters() if p.grad is not None], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="csra_views"):
+        CoralDrafter.options(csra_views="all")
+
+
 def test_router_distribution_is_eq8_on_active_groups():
     torch.manual_seed(0)
     router = LMHeadRouter(hidden=8, vocab=10, groups=3, active=2)  # groups of 4, 4, 2 tokens
