@@ -437,6 +437,22 @@ def test_lr_schedule_warms_up_then_stays_or_decays_to_zero():
         lr_at(30, TrainConfig(lr_schedule="step"), 40)
 
 
+def test_peak_constant_is_moas_warm_up_decay_over_one_epoch_then_constant():
+    """MoA's code (zero_peak_constant_scheduler): up to the peak in the warm-up, a straight line down to peak x floor
+    over one epoch's steps after it, constant from there (our warm-up counts step 0 as the first, as every schedule's)."""
+    from specbench.core.config import TrainConfig
+    from specbench.train.trainer import lr_at
+
+    cfg = TrainConfig(lr=20.0, lr_floor=0.05, warmup_steps=4, epochs=2, lr_schedule="peak_constant")
+    got = [lr_at(s, cfg, 40) for s in range(40)]  # 40 steps over 2 epochs: the decay spans steps 4..24
+    assert got[:4] == [5.0, 10.0, 15.0, 20.0]
+    for s in range(4, 40):
+        want = 20.0 - 19.0 * (s - 4) / 20 if s < 24 else 1.0  # theirs: peak - (peak - lr) x progress, then lr
+        assert got[s] == pytest.approx(want)
+    with pytest.raises(SpecbenchError, match="lr_floor"):
+        lr_at(5, TrainConfig(lr_schedule="peak_constant", lr_floor=1.5), 40)
+
+
 def test_trainmem_graph_memory_is_flat_for_beagle_and_grows_for_hass(tmp_path, sharegpt_file, tiny_checkpoint):
     """The exact saved-for-backward bytes: Beagle's late stage keeps 2T keys whatever s; HASS's graph grows with s."""
     from hydra import compose, initialize_config_dir

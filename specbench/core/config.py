@@ -107,8 +107,10 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     warmup_steps: int = 20
-    # after warm-up: constant, cosine or linear = decay to 0 over the planned steps (epochs x batches; max_steps only stops)
+    # after warm-up: constant, cosine or linear = decay to 0 over the planned steps (epochs x batches; max_steps only
+    # stops), or peak_constant = decay to lr x lr_floor over one epoch, then constant (MoA's code; trainer.lr_at)
     lr_schedule: str = "constant"
+    lr_floor: float = 0.05  # peak_constant's final lr as a fraction of lr (MoA's: their lr / their 20x peak)
     grad_clip: float = 0.5
     # value = clamp every gradient element to +-grad_clip (EAGLE's and HASS's `clip_grad_value_`); norm = rescale the
     # whole gradient to norm <= grad_clip (torch's clip_grad_norm_; what the budgets before 2026-11 used)

@@ -54,7 +54,9 @@ from specbench.decode.types import SamplingParams
 log = logging.getLogger("specbench.train")
 RESUME_FREE = {"resume", "answers_from", "max_steps", "epochs", "out_dir", "log_every", "features_dir", "save_dtype", "dist_timeout_min",
                "kv_features", "loader_workers", "features_shard", "save_every_min"}  # (kv_features: the same values, tested: test_online_kv_equals_stored)  # may change on resume
-OPTIM_KEYS = {"lr", "lr_schedule", "warmup_steps", "weight_decay", "grad_clip", "grad_clip_mode", "noise", "noise_scale"}
+OPTIM_KEYS = {"lr", "lr_schedule", "lr_floor", "warmup_steps", "weight_decay", "grad_clip", "grad_clip_mode", "noise",
+              "noise_scale"}
+LR_SCHEDULES = ("constant", "cosine", "linear", "peak_constant")
 
 
 @dataclass
@@ -320,13 +322,22 @@ def validate(cls: type[TrainableDrafter], module, val: list[dict], cfg: TrainCon
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
-    """Linear warm-up to cfg.lr, then constant, a cosine decay or a linear decay to 0 at total_steps.
+    """Linear warm-up to cfg.lr, then constant, a cosine decay or a linear decay to 0 at total_steps, or
+    `peak_constant`: a linear decay to cfg.lr x cfg.lr_floor over one epoch's steps (total_steps / cfg.epochs) after
+    the warm-up, constant after that.
 
-    `linear` is the decay of EAGLE's and HASS's training code (transformers' get_linear_schedule_with_warmup)."""
-    if cfg.lr_schedule not in ("constant", "cosine", "linear"):
-        raise SpecbenchError(f"train.lr_schedule={cfg.lr_schedule!r} is not one of constant, cosine, linear")
+    `linear` is the decay of EAGLE's and HASS's training code (transformers' get_linear_schedule_with_warmup);
+    `peak_constant` is MoA's code's `zero_peak_constant_scheduler` (warm-up to 20x their lr, down to it over an epoch:
+    lr = their peak, lr_floor = 1/20)."""
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise SpecbenchError(f"train.lr_schedule={cfg.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}")
+    if not 0.0 <= cfg.lr_floor <= 1.0:
+        raise SpecbenchError(f"train.lr_floor={cfg.lr_floor} is a fraction of train.lr: between 0 and 1")
     if cfg.lr_schedule == "constant" or step < cfg.warmup_steps:
         return cfg.lr * min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+    if cfg.lr_schedule == "peak_constant":
+        done = min(1.0, (step - cfg.warmup_steps) / max(total_steps / cfg.epochs, 1))
+        return cfg.lr * (1.0 - (1.0 - cfg.lr_floor) * done)
     done = min(1.0, (step - cfg.warmup_steps) / max(total_steps - cfg.warmup_steps, 1))
     if cfg.lr_schedule == "linear":
         return cfg.lr * (1.0 - done)
