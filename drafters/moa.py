@@ -51,9 +51,11 @@ Where we differ, and why:
     heads of 64, the head size of their own Llama-3-8B instance (2048 / 32): 6.
   - TLI while drafting (tli_context): the paper's Algorithm 1 (the TLI layers attend to the target's cached K/V of
     verified tokens and the drafted path's) by default; their inference code runs the TLI layers without any cache
-    (`use_cache=False`), and `tli_context: none` runs them so: a drafted row sees only itself. In theirs a row at level
-    >= 2 may also see its level's siblings (transformers < 4.46 cut the tree mask to the key length); ours does not.
-    Measured (make bench EXPERIMENT=moa_tli_context, docs/results.md): the six sets' mean tau 1.50 either way.
+    (`use_cache=False`), and `tli_context: none` runs them so: a drafted row sees only itself. In theirs every row of
+    a level sees all of its level's rows, both ways (moa_spec.py passes the tree mask [b, N + (g-1) b], which
+    transformers < 4.46 cut to the b keys: its first N columns, the verified prefix's, all open); ours does not. Not
+    measured: as published their TLI does not run past the root step (there the mask cut to one key, [P+1, 1], does not
+    broadcast against the one query in SDPA), and their shipped configs set TLI to 0. Measured (make bench EXPERIMENT=moa_tli_context, docs/results.md): the six sets' mean tau 1.50 either way.
     Training is the paper's either way (see the first item).
   - loss weighting: the mean over every answer token of the budget's batch of 2 (longer answers weigh more); theirs
     is one sequence per micro-batch (`mini_batch_size: 1`, 32 accumulated), each sequence weighing the same.
@@ -192,7 +194,7 @@ class MoAOptions:
     ca_mlp: int | None = None
     # drafting: what the TLI layers attend to besides the drafted row itself. target: the target's cached K/V of
     # verified tokens and the drafted path's (papers/002 Sec. 3.2, Algorithm 1); none: nothing (the authors'
-    # inference code runs them without a cache, use_cache=False, on one level's sibling rows)
+    # inference code runs them without a cache, use_cache=False, on one level's rows; each row alone here)
     tli_context: str = "target"
     # training, TLI > 0: what the TLI layers attend to. drafting: what they see while drafting (the target's true K/V
     # up to the block start, then the block's predicted positions); causal: the authors' training (moa_spec.py), one
@@ -507,8 +509,8 @@ class MoADrafter(TrainableDrafter):
         self.acts = n
 
     def _tli_alone(self, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """tli_context none, the authors' inference: the TLI layers without any cache, each row seeing only itself (its
-        level's siblings are hidden by their tree mask) -> the final norm of their output. x [B, R, E], p [B, R]."""
+        """tli_context none, the authors' inference: the TLI layers without any cache, each row seeing only itself (in
+        theirs it sees its whole level: module docstring) -> the final norm of their output. x [B, R, E], p [B, R]."""
         itself = torch.eye(x.shape[1], dtype=torch.bool, device=self.device)[None, None]
         for cached, layer in zip(self.tli_kv, self.tli_layers):
             kc, vc = cached.window_kv() if self.static is not None else (cached.keys, cached.values)
