@@ -26,7 +26,7 @@ Training (the authors' moa_spec.py forward and trainer):
     (start(i) <= i: a block-start query sees its own, and is trained like every answer position);
   - the SA "staircase" curriculum: a sequence's SA sees only its own block (and itself) with probability
     1 - progress / 0.5, else it is causal (the authors' epoch / (max_epochs / 2) over their 40 epochs, here the
-    fraction of the budget's steps: our 2 epochs would make it a step);
+    fraction of the budget's steps: our 2 epochs would make it a step; `staircase_stairs: 2` trains that step);
   - loss (Table 6, Eq. 2): 0.1 x CE to the target's next-token law (the authors' "forward_KL", -sum p log q) +
     SmoothL1 of the final feature (the LM head's input) to the target's last hidden state; with TLI > 0 the feature
     term is 0.5 x that + 0.5 x SmoothL1 of o^ to the input of the first TLI layer; over every answer position (the
@@ -67,6 +67,7 @@ tokens, the whole tree; `_propose_static`), drafting the eager path's trees.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,6 +207,9 @@ class MoAOptions:
     block_max: int = 14
     staircase: bool = True  # the SA curriculum (their `staircase_mask: True`)
     staircase_until: float = 0.5  # the fraction of the budget by which it has faded out (their max_epochs / 2)
+    # 0: it fades with every step; N: in N equal stairs (theirs: one per epoch, epoch / (max_epochs / 2); on the
+    # budget's 2 epochs, N = 2 is a whole epoch with it, then none)
+    staircase_stairs: int = 0
     tli_final_weight: float = 0.5  # TLI > 0: this x the final-feature loss + (1 - this) x the pre-TLI one
     # token: the mean over every answer position of the batch (longer answers weigh more; the budget's, every
     # method's); sequence: the mean of each sequence's mean (the authors' one sequence per micro-batch)
@@ -216,6 +220,8 @@ class MoAOptions:
             raise SpecbenchError(f"moa loss_weighting={self.loss_weighting!r} is not one of token, sequence")
         if self.tli_training not in ("drafting", "causal"):
             raise SpecbenchError(f"moa tli_training={self.tli_training!r} is not one of drafting, causal")
+        if self.staircase_stairs < 0:
+            raise SpecbenchError(f"moa staircase_stairs={self.staircase_stairs} is a number of stairs: 0 (a smooth fade) or more")
 
 
 def resolve_widths(opts: MoAOptions, e: int, nh: int, nkv: int, lsa_width: int, lsa_heads: int) -> dict[str, int]:
@@ -296,8 +302,11 @@ def block_starts(loss_mask: torch.Tensor, every: torch.Tensor) -> torch.Tensor:
     return torch.cummax(torch.where(brk, idx[None], 0), dim=1).values
 
 
-def staircase_rows(batch_size: int, progress: float, until: float, device) -> torch.Tensor:
-    """Which sequences' SA sees only its own block: each with probability 1 - progress / until (0 once faded)."""
+def staircase_rows(batch_size: int, progress: float, until: float, device, stairs: int = 0) -> torch.Tensor:
+    """Which sequences' SA sees only its own block: each with probability 1 - progress / until (0 once faded).
+    stairs N > 0: progress taken at the start of its N-th of the budget (the authors' fade by epoch, N = epochs)."""
+    if stairs > 0:
+        progress = math.floor(progress * stairs + 1e-9) / stairs
     p = min(1.0, progress / until) if until > 0 else 1.0
     return ~(torch.rand(batch_size, device=device) < p)
 
@@ -346,7 +355,7 @@ class MoADrafter(TrainableDrafter):
         return MoAModule(target, opts).to(target.device)
 
     # options the module's shape ignores: training's
-    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "tli_final_weight", "loss_weighting",
+    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "staircase_stairs", "tli_final_weight", "loss_weighting",
                      "tli_training")
 
     @classmethod
@@ -431,7 +440,7 @@ class MoADrafter(TrainableDrafter):
         dev = batch.input_ids.device
         every = torch.randint(opts.block_min, opts.block_max + 1, (b,), device=dev)
         starts = block_starts(batch.loss_mask * batch.attn_mask, every)
-        stair = staircase_rows(b, progress, opts.staircase_until, dev) if opts.staircase else None
+        stair = staircase_rows(b, progress, opts.staircase_until, dev, opts.staircase_stairs) if opts.staircase else None
         rows = (batch.loss_mask * batch.attn_mask).bool()  # every answer position (the authors' response_mask)
         true_in = batch.pre[:, :, module.tli - 1] if module.tli else None  # [B, T, E] the first TLI layer's input
         out, final, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts, stair,

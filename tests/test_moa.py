@@ -31,6 +31,19 @@ def test_the_staircase_fades_out_by_half_the_budget():
     assert 0.4 < staircase_rows(4000, 0.25, 0.5, "cpu").float().mean() < 0.6
 
 
+def test_the_staircase_in_stairs_is_the_authors_fade_by_epoch():
+    """stairs = E: the probability of a causal SA is (the epoch's start) / until, as theirs epoch / (max_epochs / 2)."""
+    torch.manual_seed(0)
+    # the budget's 2 epochs: all of epoch 1 staircased, none of epoch 2
+    assert staircase_rows(1000, 0.0, 0.5, "cpu", stairs=2).all() and staircase_rows(1000, 0.49, 0.5, "cpu", stairs=2).all()
+    assert not staircase_rows(1000, 0.5, 0.5, "cpu", stairs=2).any()
+    # their 40 epochs: epoch 5 (progress 5/40 .. 6/40) is causal with probability 5 / 20
+    for progress in (5 / 40, 5.9 / 40):
+        assert 0.71 < staircase_rows(8000, progress, 0.5, "cpu", stairs=40).float().mean() < 0.79
+    with pytest.raises(SpecbenchError, match="staircase_stairs"):
+        MoADrafter.options(staircase_stairs=-1)
+
+
 def test_kv_rows_interleave_keys_and_values_per_head_as_the_authors_do():
     k, v = torch.randn(1, 3, 5, 4), torch.randn(1, 3, 5, 4)  # [B, heads, T, dh]
     theirs = torch.cat([k, v], dim=-1).permute(0, 2, 1, 3).reshape(1, 5, -1)
