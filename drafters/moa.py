@@ -55,7 +55,8 @@ Where we differ, and why:
     a level sees all of its level's rows, both ways (moa_spec.py passes the tree mask [b, N + (g-1) b], which
     transformers < 4.46 cut to the b keys: its first N columns, the verified prefix's, all open); ours does not. Not
     measured: as published their TLI does not run past the root step (there the mask cut to one key, [P+1, 1], does not
-    broadcast against the one query in SDPA), and their shipped configs set TLI to 0. Measured (make bench EXPERIMENT=moa_tli_context, docs/results.md): the six sets' mean tau 1.50 either way.
+    broadcast against the one query in SDPA), and their shipped configs set TLI to 0. `none` against `target`, measured
+    (make bench EXPERIMENT=moa_tli_context, docs/results.md): the six sets' mean tau 1.50 either way.
     Training is the paper's either way (see the first item).
   - loss weighting: the mean over every answer token of the budget's batch of 2 (longer answers weigh more); theirs
     is one sequence per micro-batch (`mini_batch_size: 1`, 32 accumulated), each sequence weighing the same.
@@ -221,7 +222,7 @@ class MoAOptions:
         if self.tli_training not in ("drafting", "causal"):
             raise SpecbenchError(f"moa tli_training={self.tli_training!r} is not one of drafting, causal")
         if self.staircase_stairs < 0:
-            raise SpecbenchError(f"moa staircase_stairs={self.staircase_stairs} is a number of stairs: 0 (a smooth fade) or more")
+            raise SpecbenchError(f"moa staircase_stairs={self.staircase_stairs} must be 0 (a smooth fade) or more stairs")
 
 
 def resolve_widths(opts: MoAOptions, e: int, nh: int, nkv: int, lsa_width: int, lsa_heads: int) -> dict[str, int]:
@@ -355,8 +356,8 @@ class MoADrafter(TrainableDrafter):
         return MoAModule(target, opts).to(target.device)
 
     # options the module's shape ignores: training's
-    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "staircase_stairs", "tli_final_weight", "loss_weighting",
-                     "tli_training")
+    TRAINING_ONLY = ("block_min", "block_max", "staircase", "staircase_until", "staircase_stairs", "tli_final_weight",
+                     "loss_weighting", "tli_training")
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:
@@ -440,7 +441,8 @@ class MoADrafter(TrainableDrafter):
         dev = batch.input_ids.device
         every = torch.randint(opts.block_min, opts.block_max + 1, (b,), device=dev)
         starts = block_starts(batch.loss_mask * batch.attn_mask, every)
-        stair = staircase_rows(b, progress, opts.staircase_until, dev, opts.staircase_stairs) if opts.staircase else None
+        stair = (staircase_rows(b, progress, opts.staircase_until, dev, opts.staircase_stairs) if opts.staircase
+                 else None)
         rows = (batch.loss_mask * batch.attn_mask).bool()  # every answer position (the authors' response_mask)
         true_in = batch.pre[:, :, module.tli - 1] if module.tli else None  # [B, T, E] the first TLI layer's input
         out, final, logits = cls.predict(module, target, batch.input_ids, batch.kv, batch.attn_mask, starts, stair,

@@ -87,7 +87,7 @@ def test_coral_csra_views_graph_backpropagates_the_summed_steps_through_every_vi
     ones = torch.ones(2, 10, dtype=torch.long)
     batch = Batch(ids, ones, ones, hidden, hidden)
 
-    def grads(views: str) -> tuple[float, list[torch.Tensor]]:
+    def grads(views: str) -> tuple[float, int, list[torch.Tensor]]:  # summed loss, pieces, the gradients
         torch.manual_seed(0)
         opts = CoralDrafter.options(steps=3, csra_weight=0.3, csra_views=views)
         head = CoralDrafter.build_module(target, opts)
@@ -95,7 +95,7 @@ def test_coral_csra_views_graph_backpropagates_the_summed_steps_through_every_vi
         for piece, _ in CoralDrafter.training_steps(head, batch, target, opts, epoch=0):
             piece.backward()  # as the trainer does, piece by piece
             total, count = total + piece.item(), count + 1
-        return total, count, [p.grad.clone() for p in head.parameters() if p.grad is not None]
+        return total, count, [w.grad.clone() for w in head.parameters() if w.grad is not None]
 
     loss_d, n_d, g_d = grads("detached")
     loss_g, n_g, g_g = grads("graph")
@@ -111,7 +111,7 @@ def test_coral_csra_views_graph_backpropagates_the_summed_steps_through_every_vi
     want = sum(CoralDrafter.step_loss(pr, true, p, target, topk=0, topk_weight=0.0)[0]
                + 0.3 * csra_loss(pr, [*preds[:j], true], 0.07) for j, pr in enumerate(preds))
     want.backward()
-    for a, b in zip(g_g, [p.grad for p in head.parameters() if p.grad is not None], strict=True):
+    for a, b in zip(g_g, [w.grad for w in head.parameters() if w.grad is not None], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     with pytest.raises(ValueError, match="csra_views"):
         CoralDrafter.options(csra_views="all")
