@@ -124,6 +124,20 @@ def predicted_speedup(auto_run: dict | None, variant: str) -> float | None:
     return (auto["predicted"] if variant == "auto" else auto["base_predicted"])["speedup"]
 
 
+def _batch_one_path(cells: dict[tuple, dict]) -> str:
+    """How the table's batch-1 runs decoded: through the batch's own path (decoding.ragged: a preallocated cache of
+    ragged rows, per-row masks, as every B > 1) or through model.cache with the causal mask."""
+    ragged = {bool(r["_head"]["config"]["decoding"].get("ragged", False)) for k, r in cells.items() if k[3] == 1}
+    batched = "ragged rows in a preallocated cache with per-row masks"
+    if ragged == {True}:
+        return f"every B, batch 1 included (decoding.ragged), decodes {batched}"
+    if ragged == {False}:
+        return f"B = 1 decodes on model.cache with the causal mask, B > 1 {batched}"
+    if ragged:
+        return f"B > 1 decodes {batched}; the batch-1 runs took both paths (decoding.ragged true and false)"
+    return f"no batch-1 run; B > 1 decodes {batched}"
+
+
 def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
     """Each drafter's speedup (and per-row τ) against the baseline at the same batch size, B = every size run, at its
     paper tree and at tree=auto sized per B; the batch size from which it stays below 1.0x; the baseline's throughput
@@ -183,9 +197,8 @@ def batch_report(exp_dir: Path, table: BatchTable, figure: bool) -> list[Path]:
                    f"{provenance(used) if used else 'no runs yet'}.")
         md = md_table(caption, head, rows) + [""] + md_table(
             "The baseline per batch size: throughput, peak memory, and its turns whose output differs from its own "
-            "batch-1 output (B = 1 decodes through Engine.generate on model.cache, B > 1 through generate_batch on a "
-            "preallocated cache with explicit masks: a difference is the rounding of batched matmuls or of the other "
-            "path; each drafter is compared with the baseline at its own B).",
+            f"batch-1 output ({_batch_one_path(cells)}: a difference is the rounding of batched matmuls or of the "
+            "other path; each drafter is compared with the baseline at its own B).",
             base_head, base_rows) + [""] + md_table(
             "Each drafter's throughput (tokens/s, summed over the batch's rows) / peak memory (GiB: the target, the "
             "drafter, their caches) per batch size; the baseline's are in the table above.",
