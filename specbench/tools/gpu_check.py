@@ -160,14 +160,14 @@ def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
 
 
 # ---- 1. lossless on the device -----------------------------------------------------------------------------------
-def check_lossless(device: torch.device, names: list[str], new: int) -> dict:
+def check_lossless(device: torch.device, names: list[str], new: int, backend: bool | str = True) -> dict:
     model = random_llama(TINY, torch.float32, device, seed=1)
     with torch.no_grad():  # peaked logits (as the conformance tests' tiny target): few near-ties
         model.lm_head.weight.mul_(20.0)
     refs = [hf_greedy(model, p, new) for p in TINY_PROMPTS]
     found = {}
     for compiled in (False, True):
-        target = TargetModel(model, None, device, "tiny", compile=compiled)
+        target = TargetModel(model, None, device, "tiny", compile=backend if compiled else False)
         for name in names:
             engine = Engine(target, make_drafter(name, target), SamplingParams())
             bad = [i for i, (p, ref) in enumerate(zip(TINY_PROMPTS, refs)) if engine.generate(p, new).new_tokens != ref]
@@ -245,14 +245,15 @@ def step_ms(gen: Generation) -> dict:
             "tau": gen.tau, "steps": gen.steps}
 
 
-def hf_generate_ms(model, prompt: torch.Tensor, new: int, static: bool, devs, repeats: int) -> float:
+def hf_generate_ms(model, prompt: torch.Tensor, new: int, static: bool, devs, repeats: int,
+                   backend: bool | str = True) -> float:
     """transformers' own generate, greedy: eager with its dynamic cache, or with its static cache, which its generate
     compiles itself (auto-compile on CUDA; forced on other devices); ms per token past the first."""
     from transformers import CompileConfig
 
     kw = dict(do_sample=False)
-    if static:
-        config = CompileConfig()
+    if static:  # (a backend other than inductor takes no mode)
+        config = CompileConfig() if backend is True else CompileConfig(backend=backend, mode="default")
         config._compile_all_devices = not prompt.is_cuda  # (on CUDA transformers compiles a static cache's forward)
         kw |= {"cache_implementation": "static", "compile_config": config}
     model.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kw)  # warm-up (and the graphs)
@@ -354,7 +355,7 @@ def batch_costs(target: TargetModel, name: str, prompt: list[int], sizes, new: i
 def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtype, names: list[str],
                 prompt_len: int, new: int, repeats: int, budget: Budget, tree_sizes=TREE_SIZES,
                 batch_names: tuple[str, ...] = (), batch_sizes: tuple[int, ...] = (),
-                batch_modes: tuple[str, ...] = ("eager", "compiled")) -> dict:
+                batch_modes: tuple[str, ...] = ("eager", "compiled"), backend: bool | str = True) -> dict:
     """The tables of one real shape, filled part by part into budget.check.shapes[label] (saved after each part):
     the ms-per-token paths, verify against tree size, the compiled step's profile, the drafters eager and compiled,
     the batch sweep, transformers' generate."""
@@ -372,7 +373,7 @@ def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtyp
                                                                            "bare F.linear": bare_ms(base, repeats)}}
     targets = {"eager, dynamic cache": base,
                "eager, preallocated cache": TargetModel(model, None, device, label, cache="preallocated"),
-               "compiled": TargetModel(model, None, device, label, compile=True)}
+               "compiled": TargetModel(model, None, device, label, compile=backend)}
     for path, target in targets.items():
         engine = Engine(target, NoDrafter(), SamplingParams())
         engine.generate(prompt, new)  # warm: kernels, plans, graphs
@@ -419,7 +420,7 @@ def check_shape(label: str, shape: dict, device: torch.device, dtype: torch.dtyp
     for static in (False, True):
         path = f"transformers generate, {'static cache compiled' if static else 'eager'}"
         if budget.allows(f"{label} {path}"):
-            row["ms_per_token"][path] = hf_generate_ms(model, ids, new, static, devs, repeats)
+            row["ms_per_token"][path] = hf_generate_ms(model, ids, new, static, devs, repeats, backend)
             budget.done()
     del targets, base, model
     if device.type == "cuda":
@@ -432,7 +433,7 @@ def markdown(check: Check) -> str:
     h = check.header
     out = [f"# make gpu-check: {h['device_name']} ({h['dtype']}), commit {h['git'].get('commit', '?')[:7]}", "",
            f"torch {h['versions'].get('torch')}, transformers {h['versions'].get('transformers')}; SDPA backends "
-           f"{h['sdpa']}; {h['command']}", "", "## Lossless (tiny fp32 target, greedy)", ""]
+           f"{h['sdpa']}; torch.compile backend {h.get('compile_backend', 'inductor')}; {h['command']}", "", "## Lossless (tiny fp32 target, greedy)", ""]
     bad = {k: v for k, v in check.lossless.items() if v != "ok"}
     out.append(f"{len(check.lossless) - len(bad)} of {len(check.lossless)} drafter x path runs equal the target's "
                "greedy output" + ("" if not bad else ": " + "; ".join(f"{k}: {v}" for k, v in sorted(bad.items()))))
@@ -489,16 +490,17 @@ def run(args, save=lambda check: None) -> Check:
     names = args.drafters.split(",") if args.drafters else drafter_names()
     timed_names = args.timed_drafters.split(",") if args.timed_drafters else names
     shapes = CPU_SHAPES if args.cpu_form else SHAPES
+    backend = True if args.compile_backend == "inductor" else args.compile_backend  # True: inductor, CUDA graphs on CUDA
     header = {"command": "python -m specbench.gpu_check " + " ".join(args.argv), "git": envinfo.git_commit(),
               "date": envinfo.now_utc(), "versions": envinfo.versions(), "device": envinfo.device_info(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else envinfo.cpu_name(),
               "dtype": str(dtype).removeprefix("torch."), "sdpa": args.sdpa, "drafters": names,
-              "deadline_s": args.deadline}
+              "deadline_s": args.deadline, "compile_backend": args.compile_backend}
     check = Check(header)
     budget = Budget(check, time.perf_counter() + args.deadline, save)
     with sdpa_context(args.sdpa, device), torch.inference_mode():
         t0 = time.perf_counter()
-        check.lossless = check_lossless(device, names, args.tiny_new)
+        check.lossless = check_lossless(device, names, args.tiny_new, backend)
         check.law = check_law(device, args.law_drafter, args.law_samples)
         budget.done()
         print(f"lossless + law: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -510,7 +512,7 @@ def run(args, save=lambda check: None) -> Check:
                         tuple(int(n) for n in args.tree_sizes.split(",")),
                         tuple(n for n in args.batch_drafters.split(",") if n),
                         tuple(int(n) for n in args.batch_sizes.split(",")),
-                        tuple(m for m in args.batch_modes.split(",") if m))
+                        tuple(m for m in args.batch_modes.split(",") if m), backend)
             print(f"{label}: {time.perf_counter() - t0:.0f} s", flush=True)
     return check
 
@@ -549,6 +551,10 @@ def parse(argv: list[str] | None = None):
     p.add_argument("--law-samples", type=int, default=2000)
     p.add_argument("--sdpa", choices=sorted(SDPA_BACKENDS), default="no-cudnn",
                    help="SDPA backends allowed (no-cudnn: cuDNN's per-shape plans make eager timings order-dependent)")
+    p.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"],
+                   help="torch.compile's backend for every compiled path (inductor: what the engine compiles with, CUDA "
+                        "graphs on CUDA; aot_eager: the same capture and guards without code generation, make test's "
+                        "CPU form, whose inductor C++ builds took minutes of the suite)")
     p.add_argument("--out", default=None, help="default: results/gpu_check/<device>")
     args = p.parse_args(argv)
     args.argv = argv
