@@ -106,6 +106,21 @@ def test_the_run_key_holds_the_resolved_dtype_device_and_placement(make_cfg):
     assert {"chat_template", "system_prompt", "attn_implementation", "device_map", "path", "revision"} <= set(ident)
 
 
+def test_model_compile_names_its_backend_and_refuses_an_unknown_one(make_cfg):
+    """model.compile=true is inductor's and keys runs as before ({"compile": True}: committed run names unchanged);
+    another backend's name keys its runs apart; a name torch.compile does not know is refused before the model loads."""
+    import torch
+
+    from specbench.bench.run import model_identity
+
+    ident = lambda *o: model_identity(Runner(make_cfg("drafter=none", *o)).model_cfg, torch.device("cpu"),  # noqa: E731
+                                      torch.float32)
+    assert "compile" not in ident() and ident("model.compile=true")["compile"] is True
+    assert ident("model.compile=inductor")["compile"] is True and ident("model.compile=aot_eager")["compile"] == "aot_eager"
+    with pytest.raises(SpecbenchError, match=r"model.compile=nosuch: true, false or a torch.compile backend"):
+        Runner(make_cfg("drafter=none", "model.compile=nosuch"))
+
+
 def test_a_run_directory_of_another_config_is_not_resumed(make_cfg):
     """A resume is refused when the run.json in the directory describes another run (hand-edited, or a collision)."""
     cfg = make_cfg("drafter=none", "dataset.limit=1")

@@ -396,7 +396,9 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
                    | {base_nodes(base) + 1})
     # the target's path changes its costs: a cache or compile that is not the default, a batch, names its own files
     path = {**({"cache": target.cache} if target.cache != "dynamic" else {}),
-            **({"compile": True} if target.compiled is not None else {}), **({"batch": batch} if batch > 1 else {}),
+            # (True: inductor's; another backend's name keeps its timings apart)
+            **({"compile": target.compiled.backend} if target.compiled is not None else {}),
+            **({"batch": batch} if batch > 1 else {}),
             **({"ragged": True} if ragged else {})}
     tpath = cache_path(cache_root, target.device, model, target.dtype, "target",
                        {"prompt": prompt, "context": context, "sizes": sizes, **path,

@@ -24,7 +24,7 @@ from specbench.bench import divergence
 from specbench.core import envinfo
 from specbench.bench import failures
 from specbench.core.cli import CONF_DIR, cli, config_hash, fail
-from specbench.decode.compiled import compiled_graphs
+from specbench.decode.compiled import compile_option, compiled_graphs
 from specbench.bench.divergence import first_divergence
 from specbench.core.config import BenchConfig, DatasetConfig, DecodingConfig, ModelConfig, register_schema, to_dataclass
 from specbench.data.data import Question, load_questions
@@ -51,8 +51,9 @@ def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
             # (the same: DynamicCache was the only cache; a preallocated one computes the same attention, yet a run
             # says which it decoded with)
             **({} if cfg.cache == "dynamic" else {"cache": cfg.cache}),
-            # (compiled kernels may round differently from eager ones: a compiled run is a run of its own)
-            **({"compile": True} if cfg.compile else {})}
+            # (compiled kernels may round differently from eager ones: a compiled run is a run of its own; True is
+            # inductor's, a run through another backend names it)
+            **({"compile": compile_option(cfg.compile)} if cfg.compile else {})}
 
 
 def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: int, seed: int) -> dict:
@@ -197,9 +198,9 @@ class Runner:
             raise SpecbenchError(f"decoding.batch_size={self.decoding.batch_size} needs at least that many questions: "
                                  f"{self.dataset_cfg.name} has {len(self.questions)} here (dataset.limit="
                                  f"{self.dataset_cfg.limit}); give dataset.limit={self.decoding.batch_size} or more")
+        compile = compile_option(self.model_cfg.compile)  # (refused before loading)
         model, tok, device = load_model(self.model_cfg)
-        self.target = TargetModel(model, tok, device, self.model_cfg.name, cache=self.model_cfg.cache,
-                                  compile=self.model_cfg.compile)
+        self.target = TargetModel(model, tok, device, self.model_cfg.name, cache=self.model_cfg.cache, compile=compile)
         self.identity = model_identity(self.model_cfg, device, self.target.dtype)
         self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
         self.tree_auto: dict | None = None  # tree=auto: the chosen tree and its prediction (run.json)

@@ -40,8 +40,10 @@ class ModelConfig:
     cache: str = "dynamic"
     # compile = true: the target's tree forwards run through torch.compile over a static cache, trees padded to
     # fixed row-count buckets (specbench/decode/compiled.py BUCKETS) so nothing recompiles per step (CUDA: with CUDA graphs,
-    # mode reduce-overhead; issue 30); a batch on a static cache of its batch bucket (BATCH_BUCKETS)
-    compile: bool = False
+    # mode reduce-overhead; issue 30); a batch on a static cache of its batch bucket (BATCH_BUCKETS). true is inductor;
+    # a backend's name compiles through it (aot_eager: the same graphs captured and guarded without code generation, the
+    # tests' form), and a run through it names it in its key (bool or str: OmegaConf types no union)
+    compile: Any = False
     revision: str | None = None
     # drafter -> the hub repository of its authors' published weights for this target (`make download` puts them in
     # weights/<name>/<drafter>/, where the drafter configs look); only checkpoints that exist are listed

@@ -53,6 +53,21 @@ def torch_compile(fn, device: torch.device, backend: bool | str):
     return torch.compile(fn, dynamic=False, backend=name, mode="reduce-overhead" if cuda_graphs else None)
 
 
+def compile_option(compile: bool | str) -> bool | str:
+    """model.compile as TargetModel's `compile`: False, True (inductor) or another torch.compile backend's name; an
+    unknown name refused in one line (before anything loads)."""
+    if compile is False or compile is None:
+        return False
+    if compile is True or compile == "inductor":
+        return True
+    import torch._dynamo
+
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if not isinstance(compile, str) or compile not in known:
+        raise SpecbenchError(f"model.compile={compile}: true, false or a torch.compile backend ({', '.join(sorted(known))})")
+    return compile
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process so far (dynamo's counter): a run counts those built in its
     timed turns."""

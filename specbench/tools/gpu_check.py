@@ -49,6 +49,7 @@ from specbench.core import envinfo
 from specbench.core.cli import CONF_DIR
 from specbench.core.models import SDPA_BACKENDS, sdpa_context
 from specbench.core.records import atomic_write_json, atomic_write_text
+from specbench.decode.compiled import compile_option
 from specbench.decode.drafter import Drafter, NoDrafter
 from specbench.decode.engine import Engine, Generation, sync
 from specbench.decode.target import TargetModel
@@ -490,7 +491,7 @@ def run(args, save=lambda check: None) -> Check:
     names = args.drafters.split(",") if args.drafters else drafter_names()
     timed_names = args.timed_drafters.split(",") if args.timed_drafters else names
     shapes = CPU_SHAPES if args.cpu_form else SHAPES
-    backend = True if args.compile_backend == "inductor" else args.compile_backend  # True: inductor, CUDA graphs on CUDA
+    backend = compile_option(args.compile_backend)  # True: inductor (CUDA graphs on CUDA), or the backend's name
     header = {"command": "python -m specbench.gpu_check " + " ".join(args.argv), "git": envinfo.git_commit(),
               "date": envinfo.now_utc(), "versions": envinfo.versions(), "device": envinfo.device_info(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else envinfo.cpu_name(),

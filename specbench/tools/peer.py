@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 from specbench.core.config import ModelConfig, register_schema
 from specbench.bench.divergence import classify_by_forward, first_divergence
 from specbench.decode.drafter import NoDrafter
+from specbench.decode.compiled import compile_option
 from specbench.decode.engine import Engine
 from specbench.errors import SpecbenchError
 from specbench.core.models import load_model, resolve_checkpoint
@@ -160,7 +161,8 @@ def compare_variant(runner: Runner, cfg: DictConfig, rope_theta: float | None, w
         mc = ModelConfig(**{**OmegaConf.to_container(cfg.model, resolve=True), "path": str(tdir),
                             "gguf_package": None, "name": f"{runner.model_cfg.name}@{label}"})
         model, tok, device = load_model(mc)
-        target = TargetModel(model, tok, device, mc.name, cache=mc.cache, compile=mc.compile)  # as the run's target
+        target = TargetModel(model, tok, device, mc.name, cache=mc.cache,  # as the run's target
+                             compile=compile_option(mc.compile))
     # the one trained head, written for this variant's target: the same weights, its config naming the target's RoPE
     # base (the check on loading refuses a head recorded for another base; the authors' code reads none)
     head_dir = work / f"eagle-authors-layout-{tdir.name}"
