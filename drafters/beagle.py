@@ -25,7 +25,9 @@ eps ~ U[0, k) per batch. Query at window position n+i (i = 1..k) keeps its token
   noise N(0, 0.2) on the input states (App. A.3); losses are means over the trained queries of each step. The CE
   takes the stage's weight (k for Eq. 4's sum over lookaheads, beta*_i at step i); the vloss keeps its 10 (before
   2026-11-24 it was multiplied by k or beta* too: 20-50). Each late-stage step adds its own vloss x 10 (our reading:
-  the paper gives one coefficient for "both stages" and does not say how it spreads over simulated steps).
+  the paper gives one coefficient for "both stages" and does not say how it spreads over simulated steps). Scaled
+  (module.vloss_scaled=true) on the embedded budget: validation sim tau 1.184 / 1.293 against 1.194 / 1.286, level
+  (docs/training.md).
   Optimiser (App. A.3, conf/drafter/beagle.yaml): AdamW (0.9, 0.95), no weight decay named (torch's AdamW default
   0.01 is the authors' EAGLE replication's), gradients clipped to a maximum norm of 0.5, the lr constant after 2,000
   warm-up steps. Its peak is the budget's train.lr (3e-4 on the embedded budget, as every method's; the paper's
