@@ -329,6 +329,7 @@ def test_the_two_baselines_table(tmp_path, tiny_checkpoint):
         assert pld[2] == pld[3] and pld[4] == "0 / 4"  # the same tokens eager and compiled, every turn
         assert all(c.endswith("x") for c in pld[5:8]) and pld[8].endswith("% |")
         assert rows[("| none (tokens/s)", label)][5] != "–" and rows[("| none (tokens/s)", label)][6] != "–"
+    pld_b2_compiled = rows[("| pld", "mtbench, B=2")][6]
     for run in exp.glob("*__pld__*"):
         recs = [json.loads(line) for line in (run / "records.jsonl").read_text().splitlines()]
         assert all(r["matches_baseline"] for r in recs)  # lossless against its own baseline, compiled or not
@@ -338,6 +339,25 @@ def test_the_two_baselines_table(tmp_path, tiny_checkpoint):
         assert all(r.get("graphs_compiled", 0) == 0 for r in recs)
         compiled = bool(json.loads((run.parent / "run.json").read_text())["model_identity"].get("compile"))
         assert all(("graphs_compiled" in r) == compiled for r in recs)
+    # runs of a second backend in the same directory (here aot_eager's, relabelled as inductor's `compile: true`)
+    # get rows of their own, each labelled; neither backend's cells read the other's runs
+    for run in [r.parent for r in exp.glob("*/run.json")]:
+        head = json.loads((run / "run.json").read_text())
+        if head["model_identity"].get("compile") == "aot_eager":
+            twin = exp / (run.name + "_inductor")
+            shutil.copytree(run, twin)
+            head["model_identity"]["compile"] = True
+            (twin / "run.json").write_text(json.dumps(head))
+            summary = json.loads((twin / "summary.json").read_text())
+            if summary["drafter"] != "none":  # (the baseline has no speedup)
+                summary["speedup"] = {**summary["speedup"], "mean": 9.99}
+            (twin / "summary.json").write_text(json.dumps(summary))
+    report(tmp_path / "results")
+    md = (exp / "baselines.tiny.md").read_text()
+    rows = {tuple(line.split(" | ")[:2]): line.split(" | ") for line in md.splitlines() if line.startswith("| ")}
+    assert "torch.compile (aot_eager, inductor)" in md
+    assert rows[("| pld", "mtbench, compiled: inductor")][6] == "9.99x"
+    assert rows[("| pld", "mtbench, B=2, compiled: aot_eager")][6] == pld_b2_compiled
 
 
 def test_the_every_drafter_experiments_sweep_every_drafter():

@@ -2,6 +2,7 @@
 two_baselines and the Spec-Bench board."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from specbench.core.records import RunDir, read_jsonl
 from specbench.bench.report.cells import (
@@ -283,13 +284,15 @@ def _differ(one: dict | None, other: dict | None) -> str:
 
 
 def compiled_key(summary: dict, head: dict) -> tuple:
-    """The two_baselines table's cell: (drafter, dataset, compiled or not, temperature, cache kind: model.cache, or
-    `static` when compiled, batch size B), so that runs of another temperature, cache or B never overwrite one
-    another."""
-    compiled = bool((head.get("model_identity") or {}).get("compile"))
-    cache = "static" if compiled else head["config"]["model"].get("cache", "dynamic")
+    """The two_baselines table's cell: (drafter, dataset, the compile backend: "" when eager, temperature, cache kind:
+    model.cache, or `static` when compiled, batch size B), so that runs of another backend, temperature, cache or B
+    never overwrite one another. The run's identity says `compile: true` for inductor (run names before the option
+    took a backend's name) and the backend's name for any other."""
+    compile_ = (head.get("model_identity") or {}).get("compile") or ""
+    backend = "inductor" if compile_ is True else str(compile_)
+    cache = "static" if backend else head["config"]["model"].get("cache", "dynamic")
     batch = int(head["config"]["decoding"].get("batch_size", 1))
-    return summary["drafter"], summary["dataset"], compiled, float(summary["temperature"]), cache, batch
+    return summary["drafter"], summary["dataset"], backend, float(summary["temperature"]), cache, batch
 
 
 def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
@@ -305,14 +308,17 @@ def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
         variants = sorted({(k[3], k[4], k[5]) for k in cells if not k[2]})  # (temperature, eager cache, B)
+        # each compile backend against the eager runs in rows of its own: a cell never mixes two backends' kernels
+        backends = sorted({k[2] for k in cells if k[2]}) or ["inductor"]
         head = ["method", "dataset", "τ eager", "τ compiled", "turns ≠ (eager vs compiled)", "eager vs eager baseline",
                 "compiled vs compiled baseline", "eager vs compiled baseline", "speedup kept"]
         rows = []
         for ds in datasets:
-            for temp, kind, b in variants:
-                label = (ds if {(t, k) for t, k, _ in variants} == {(0.0, "dynamic")}
-                         else f"{ds} (T={temp:g}, eager: {kind} cache)") + (f", B={b}" if b > 1 else "")
-                runs = {d: (cells.get((d, ds, False, temp, kind, b)), cells.get((d, ds, True, temp, "static", b)))
+            for (temp, kind, b), backend in itertools.product(variants, backends):
+                label = ((ds if {(t, k) for t, k, _ in variants} == {(0.0, "dynamic")}
+                          else f"{ds} (T={temp:g}, eager: {kind} cache)") + (f", B={b}" if b > 1 else "")
+                         + (f", compiled: {backend}" if len(backends) > 1 else ""))
+                runs = {d: (cells.get((d, ds, "", temp, kind, b)), cells.get((d, ds, backend, temp, "static", b)))
                         for d in ["none", *drafters]}
                 base_e, base_c = runs["none"]
                 rows.append(["none (tokens/s)", label, "", "", _differ_runs(exp_dir, base_e, base_c) if temp == 0 else "",
@@ -330,7 +336,8 @@ def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
         used = list(cells.values())
         caption = (f"Every drafter against two baselines; {setting.describe()}: the eager one (the papers' "
                    f"comparison, every other table's) and the compiled one (model.compile: the target's forwards "
-                   f"through torch.compile over a static cache, CUDA graphs on a GPU; EAGLE's head and sd's draft "
+                   f"through torch.compile ({', '.join(backends)}) over a static cache, CUDA graphs on a GPU; EAGLE's "
+                   f"head and sd's draft "
                    f"model compiled the same way, the other drafters' modules eager). 'turns ≠': T=0 turns whose "
                    f"tokens differ between the eager and the compiled run (where any do, τ may differ and 'speedup "
                    f"kept' mixes τ with speed). 'speedup kept': compiled-vs-compiled over eager-vs-eager. 'B=b': "
