@@ -7,6 +7,8 @@ MODEL    ?= smollm2-135m
 EXPERIMENT ?= beagle_table1
 PRESET   ?= cpu
 ARGS     ?=
+# STRICT=1: make bench refuses the whole sweep if any drafter lacks weights (by default it skips those jobs)
+STRICT   ?=
 PERF_ARGS ?=
 # processes `make test` runs the suite on (pytest-xdist, whole files per worker; the cores shared out among them)
 TEST_WORKERS ?= 2
@@ -41,6 +43,9 @@ test-fast: setup
 # The main job: an experiment (conf/experiment/$(EXPERIMENT).yaml, a Hydra sweep) on MODEL with a preset
 # (conf/preset/: cpu = the embedded default on 2 cores, paper = full sets for a GPU); the baseline (drafter=none) runs
 # first in every job; re-running skips finished runs and resumes a killed one. Then the tables and figures.
+# A job whose drafter has no weights for MODEL is skipped with one line naming the command that makes them (`make
+# download` or `make train`), the others run; the end lists what ran and what was skipped; it exits 0 when a drafted
+# job ran and none failed. STRICT=1 instead refuses the whole sweep, before decoding, if any drafter lacks weights.
 #   make bench                                   every drafter x MT-Bench/GSM8K/CNN-DM on the embedded SmolLM2 (CPU)
 #   make bench MODEL=llama2-7b PRESET=paper      the same on a GPU;  ARGS='drafter=none,eagle2' narrows the sweep
 # The question files no package ships (EAGLE's and Spec-Bench's sets, GSM8K), from their pinned origins, checked by
@@ -50,7 +55,7 @@ data: setup
 
 # The tables are written even when a job failed (they name the failure); make then exits with the sweep's status.
 bench: setup data
-	st=0; $(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=$(EXPERIMENT) +preset=$(PRESET) out.root=$(RESULTS) $(ARGS) || st=$$?; \
+	st=0; $(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=$(EXPERIMENT) +preset=$(PRESET) out.root=$(RESULTS) $(if $(filter 1,$(STRICT)),hydra.callbacks.checks.strict=true) $(ARGS) || st=$$?; \
 	$(BIN)/python -m specbench.report --results $(RESULTS) && exit $$st
 
 # Day one on a GPU box, rehearsed here: tiny replicas of every target and published drafter under their real hub ids in

@@ -33,7 +33,7 @@ from specbench.errors import SpecbenchError
 from specbench.core.metrics import PeakMemory, summarize
 from specbench.core.models import chat_prompt_ids, load_model, pick_dtype, sdpa_context
 from specbench.core.records import RunDir, atomic_write_json, exclusive
-from specbench.bench.sweep import missing_weights, record_failure
+from specbench.bench.sweep import missing_weights, record_failure, skip_reason
 from specbench.decode.target import TargetModel
 
 log = logging.getLogger("specbench")
@@ -624,6 +624,10 @@ register_schema()
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
+    skipped = skip_reason(hc.sweep.dir, list(hc.overrides.task)) if hc.mode == RunMode.MULTIRUN else None
+    if skipped:  # the pre-flight found no weights for its drafter: nothing decoded, written or recorded as failed
+        log.warning("job #%s skipped: %s", hc.job.num, skipped)
+        return
     try:
         Runner(cfg).execute()
     except Exception as e:  # noqa: BLE001 - in a sweep, any failed job is recorded and the sweep goes on
