@@ -31,8 +31,9 @@ Training (the authors' moa_spec.py forward and trainer):
     SmoothL1 of the final feature (the LM head's input) to the target's last hidden state; with TLI > 0 the feature
     term is 0.5 x that + 0.5 x SmoothL1 of o^ to the input of the first TLI layer; over every answer position (the
     pre-TLI term is 0 at block starts, which count in its mean: theirs overwrites the prediction there in place,
-    and so do we for the TLI layers' input: at a block start they take the true input, so the final loss there trains
-    nothing of the drafter);
+    and so do we for the TLI layers' input: at a block start they take the true input, so with `tli_training:
+    drafting` (the default) the final loss there trains nothing of the drafter; with `causal` it does, through the
+    TLI layers' attention to the earlier positions' predicted inputs);
   - gradients clipped to norm 1.0, AdamW without weight decay (their trainer.yaml; conf/drafter/moa.yaml);
   - init as theirs: Linear weights and RMSNorm weights ~ N(0, initializer_range), biases 0 (HF's `_init_weights` of
     their class, which they extended to the RMSNorms).
@@ -393,8 +394,9 @@ class MoADrafter(TrainableDrafter):
         start(i), staircase [B] bool (SA within the block) -> (o^ [B, T, E], the LM head's input [B, T, E], logits);
         with `rows` [B, T] bool the 49k-row LM head and the outputs are taken there only ([M, ...]). With TLI > 0 and
         `tli_input` [B, T, E] (the target's true input of the first TLI layer), the TLI layers take it, not o^, at
-        block starts, as the authors' forward overwrites it there: the final loss at a block start (a query never
-        drafted) then trains nothing of the drafter, and its prediction is the target's own. `tli_causal`: the TLI
+        block starts, as the authors' forward overwrites it there: without `tli_causal` the final loss at a block start
+        (a query never drafted) then trains nothing of the drafter, and its prediction is the target's own; with it,
+        that query attends to the earlier positions' predicted inputs, which its loss trains. `tli_causal`: the TLI
         layers take their K/V from their own input at every position, causally (the authors' training), not the
         target's true K/V up to start(i)."""
         b, t = ids.shape
