@@ -265,7 +265,7 @@ def test_a_sweep_whose_every_drafted_job_lacks_weights_decodes_nothing(tmp_path,
     res = sweep_cli(tmp_path, tiny_checkpoint, question_file, "drafter=none,eagle2")
     assert res.returncode == 2, res.stderr[-2000:]
     assert "pre-flight: no drafted job of this sweep has its drafter's weights; nothing was decoded" in res.stderr
-    assert "make train MODEL=tiny TRAIN_DRAFTERS=eagle" in res.stderr
+    assert "make train MODEL=tiny TRAIN_DRAFTERS=eagle" in res.stderr and "decode only" not in res.stderr
     assert not (tmp_path / "results").exists()
 
 

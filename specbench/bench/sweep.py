@@ -124,12 +124,13 @@ class Preflight:
     drafted: int = 0  # jobs of a drafter (not the baseline) that can run
     runnable: list[str] = field(default_factory=list)  # drafters whose every job can run
 
-    def refuse(self, header: str) -> None:
-        """Print every missing piece and end the sweep before anything is decoded (exit 2)."""
+    def refuse(self, header: str, offer: bool = True) -> None:
+        """Print every missing piece and end the sweep before anything is decoded (exit 2); `offer`: name the
+        drafters that could run."""
         print(f"error: pre-flight: {header}; nothing was decoded:", file=sys.stderr)
         for p in self.problems:
             print(f"  {p}", file=sys.stderr)
-        if self.runnable:  # e.g. a GPU target with published weights for some drafters only
+        if offer and self.runnable:  # e.g. a GPU target with published weights for some drafters only
             print(f"  or decode only the drafters that can run: drafter={','.join(self.runnable)} "
                   f"(make bench ARGS='drafter={','.join(self.runnable)}')", file=sys.stderr)
         sys.exit(2)
@@ -167,13 +168,13 @@ class SweepChecks(Callback):
         if found.hard or (self.strict and found.problems):
             found.refuse(f"{len(found.problems)} missing piece(s) for this sweep")
         if found.skips and not found.drafted:  # only baselines would run: nothing to compare them with
-            found.refuse("no drafted job of this sweep has its drafter's weights")
+            found.refuse("no drafted job of this sweep has its drafter's weights", offer=False)
         write_skips(config.hydra.sweep.dir, found.skips)
         if found.skips:
             labels = job_labels(job_overrides(config))
             print(f"pre-flight: {len(found.skips)} job(s) skipped, their drafter has no weights for the target "
-                  "(the other jobs run; `make bench STRICT=1`, hydra.callbacks.checks.strict=true, refuses the sweep instead):",
-                  file=sys.stderr)
+                  "(the other jobs run; `make bench STRICT=1`, hydra.callbacks.checks.strict=true, refuses the "
+                  "sweep instead):", file=sys.stderr)
             for s in found.skips:
                 print(f"  skip #{s.job} {labels[s.job]}: {s.reason}", file=sys.stderr)
 
