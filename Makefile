@@ -22,7 +22,7 @@ TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/to
 # the trainable drafters, from their own YAMLs (specbench/train/trainable.py); expanded when `make train` runs, after setup
 TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
-.PHONY: setup data rehearse test test-fast bench perf limit perf-drafters peer train trainmem trainspeed figures download gpu-check
+.PHONY: setup data rehearse test test-fast cluster-test bench perf limit perf-drafters peer train trainmem trainspeed figures download gpu-check
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,6 +36,14 @@ setup: $(VENV)/.stamp
 # the authors' EAGLE environment too: tests/test_peer.py runs their EaModel against ours on a tiny target
 test: setup $(PEER_VENV)/.stamp
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(MAKE) cluster-test
+
+# A real single-node SLURM cluster on this machine (Debian's slurm-wlm, slurmdbd, munge, mariadb-server, installed
+# with apt-get when missing and root), started in its own namespaces (loopback only), tests/cluster/ run through it
+# (sweeps as SLURM jobs, a cancelled and a requeued job resuming, torchrun across two node ranks), then stopped
+# (specbench/tools/cluster.py). A shell on such a cluster: .venv/bin/python -m specbench.cluster run -- bash
+cluster-test: setup
+	$(BIN)/python -m specbench.cluster run -- $(BIN)/python -m pytest -q -p no:cacheprovider tests/cluster
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile

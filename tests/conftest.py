@@ -16,6 +16,9 @@ from transformers import PreTrainedTokenizerFast
 from specbench.core.config import register_schema
 from tests.helpers import tiny_llama
 
+# tests/cluster/ runs against a SLURM cluster, under `make cluster-test` (specbench/tools/cluster.py sets this)
+collect_ignore = [] if os.environ.get("SPECBENCH_CLUSTER") else ["cluster"]
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` (pytest-xdist): the cores shared out among the workers, so that
