@@ -95,7 +95,9 @@ def rehearse(root: Path, models: list[str], dtypes: list[str], limit: int, max_n
             args = [f"drafter={','.join(drafters_for(m))}", f"dataset.limit={limit}", f"model.dtype={dtype}"]
             if max_new_tokens:
                 args.append(f"decoding.max_new_tokens={max_new_tokens}")
-            cmd = [make, "bench", f"MODEL={m}", "PRESET=paper", f"RESULTS={results}", f"ARGS={' '.join(args)}"]
+            # STRICT=1: a published drafter whose download did not land is a failure here, not a skipped job
+            cmd = [make, "bench", f"MODEL={m}", "PRESET=paper", "STRICT=1", f"RESULTS={results}",
+                   f"ARGS={' '.join(args)}"]
             out.steps.append((" ".join(cmd), run(cmd, env, log)))
     check(results / "beagle_table1", models, dtypes, out)
     return out
