@@ -22,7 +22,7 @@ TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/to
 # the trainable drafters, from their own YAMLs (specbench/train/trainable.py); expanded when `make train` runs, after setup
 TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
-.PHONY: setup data rehearse test test-fast cluster-test bench perf limit perf-drafters peer train trainmem trainspeed figures download gpu-check
+.PHONY: setup data rehearse test test-fast cluster-test train-scaling bench perf limit perf-drafters peer train trainmem trainspeed figures download gpu-check
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -108,6 +108,23 @@ gpu-check:
 # Every drafter's draft ms/step, verify ms/step, tokens/s and host round trips per step (results/perf/).
 perf-drafters: setup
 	$(BIN)/python -m specbench.perf_drafters model=$(MODEL) $(PERF_ARGS)
+
+# The data-scaling experiment (issue 79): each of SCALING_DRAFTERS trained on the budget's recipe with only the first
+# n of its conversations, n in SCALING_SUBSETS (the same held-out set, answers, epochs and schedule shape; SEED for the
+# seed spread), cheapest points first; each point its own checkpoint directory (resumes), its log copied to
+# results/train_scaling/$(MODEL)/<drafter>/n<n>[_seed<s>]/ and its weights to weights/$(MODEL)/scaling/. The 1x point
+# is the committed weights (results/training/).
+SCALING_DRAFTERS ?= eagle eagle3 hass moa
+SCALING_SUBSETS ?= 200 400 800
+SEED ?= 0
+train-scaling: setup
+	set -e; for n in $(SCALING_SUBSETS); do for d in $(SCALING_DRAFTERS); do \
+		p=n$$n$(if $(filter 0,$(SEED)),,_seed$(SEED)); ck=checkpoints/scaling/$$p; \
+		$(TRAIN_CMD) drafter=$$d model=$(MODEL) train=$(TRAIN) train.subset=$$n train.seed=$(SEED) train.out_dir=$$ck $(ARGS); \
+		mkdir -p results/train_scaling/$(MODEL)/$$d/$$p weights/$(MODEL)/scaling/$$p; \
+		cp $$ck/$(MODEL)/$$d/log.jsonl results/train_scaling/$(MODEL)/$$d/$$p/; \
+		rm -rf weights/$(MODEL)/scaling/$$p/$$d; cp -r $$ck/$(MODEL)/$$d/final weights/$(MODEL)/scaling/$$p/$$d; \
+	done; done
 
 # Peak training memory and step time vs simulated steps: Beagle's late stage vs HASS (results/trainmem/).
 trainmem: setup

@@ -717,3 +717,25 @@ def test_the_shipped_answers_are_looked_for_beside_the_models_weights(make_cfg, 
     cfg = make_cfg("drafter=sd", *over)
     assert Trainer(cfg).tc.answers_from.endswith("/tiny/answers.jsonl")
     assert to_dataclass(TrainConfig, cfg.train).answers_from == Trainer(cfg).tc.answers_from
+
+
+def test_a_subset_trains_on_the_first_conversations_and_validates_on_the_budgets_held_out_ones(
+        make_cfg, tmp_path, sharegpt_file):
+    """train.subset=4 of a 10-conversation budget (the data-scaling experiment): 4 conversations a epoch (2 batches
+    of 2), the same 3 held-out conversations as the whole budget, features cached apart; a subset outside 1..10 is
+    refused before anything loads."""
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.subset": 4, "train.out_dir": tmp_path / "part"})
+    final = Trainer(make_cfg("drafter=medusa", *over)).run()
+    log = read_jsonl(final.parent / "log.jsonl")
+    assert [r["step"] for r in log if r["kind"] == "val"] == [2, 4]
+    sets = {p.name: FeatureSet.open(p) for p in (tmp_path / "features").glob("*/*/*") if p.is_dir()}
+    assert sets["train"].manifest["count"] == 4 and sets["val"].manifest["count"] == 3
+    whole = Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.epochs": 1})))
+    whole.run()
+    val_sets = [FeatureSet.open(p) for p in (tmp_path / "features").glob("*/*/val")]
+    assert len(val_sets) == 2
+    a, b = (list(v.index()) for v in val_sets)
+    assert [v.load(*i)["input_ids"].tolist() for v, i in ((val_sets[0], x) for x in a)] == \
+        [v.load(*i)["input_ids"].tolist() for v, i in ((val_sets[1], x) for x in b)]
+    with pytest.raises(SpecbenchError, match="train.subset=11 must be between 1 and train.conversations=10"):
+        Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.subset": 11})))

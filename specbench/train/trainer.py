@@ -166,6 +166,8 @@ def features_root(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig,
         key |= {"answers": cfg.answers, "answer_tokens": cfg.answer_tokens}
     if cfg.features_shard != 64:  # (the same)
         key["shard"] = cfg.features_shard
+    if cfg.subset is not None:  # (the same)
+        key["subset"] = cfg.subset
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
     # features are the target's outputs in its loaded dtype: the dtype names the cache, and the exact fingerprint
     dtype = str(target.dtype).removeprefix("torch.")
@@ -179,6 +181,12 @@ def answers_meta(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig) 
             "system": model_cfg.system_prompt}
 
 
+def check_subset(cfg: TrainConfig) -> int | None:
+    if cfg.subset is not None and not 1 <= cfg.subset <= cfg.conversations:
+        raise SpecbenchError(f"train.subset={cfg.subset} must be between 1 and train.conversations={cfg.conversations}")
+    return cfg.subset
+
+
 def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, root: Path, rank: int = 0,
                            world: int = 1) -> tuple[list[Encoded], list]:
     """The budget's training conversations encoded (input ids, answer mask), and its held-out ones (not encoded).
@@ -186,6 +194,8 @@ def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: Mod
     torchrun rank r answers conversations i = r mod world)."""
     path = Path(cfg.data_path).expanduser() if cfg.data_path else None
     train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
+    if cfg.subset is not None:  # a prefix: the same first conversations, the budget's held-out ones
+        train_convs = train_convs[:check_subset(cfg)]
     if cfg.answers != "target":
         return [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))], \
             val_convs
@@ -446,6 +456,7 @@ class Trainer:
         check_noise(self.tc.noise)
         if self.tc.grad_clip_mode not in ("value", "norm"):
             raise SpecbenchError(f"train.grad_clip_mode={self.tc.grad_clip_mode!r} is not one of value, norm")
+        check_subset(self.tc)
         self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
         self.cls = get_class(cfg.drafter._target_)
         if not (isinstance(self.cls, type) and issubclass(self.cls, TrainableDrafter)):
