@@ -112,8 +112,8 @@ perf-drafters: setup
 # The data-scaling experiment (issue 79): each of SCALING_DRAFTERS trained on the budget's recipe with only the first
 # n of its conversations, n in SCALING_SUBSETS (the same held-out set, answers, epochs and schedule shape; SEED for the
 # seed spread), cheapest points first; each point its own checkpoint directory (resumes), its log copied to
-# results/train_scaling/$(MODEL)/<drafter>/n<n>[_seed<s>]/ and its weights to weights/$(MODEL)/scaling/. The 1x point
-# is the committed weights (results/training/).
+# results/train_scaling/$(MODEL)/<drafter>/n<n>[_seed<s>]/ (with its config.json: the command and commit) and its
+# weights to weights/$(MODEL)/scaling/. The 1x point is the committed weights (results/training/). make figures draws it.
 SCALING_DRAFTERS ?= eagle eagle3 hass moa
 SCALING_SUBSETS ?= 200 400 800
 SEED ?= 0
@@ -122,7 +122,7 @@ train-scaling: setup
 		p=n$$n$(if $(filter 0,$(SEED)),,_seed$(SEED)); ck=checkpoints/scaling/$$p; \
 		$(TRAIN_CMD) drafter=$$d model=$(MODEL) train=$(TRAIN) train.subset=$$n train.seed=$(SEED) train.out_dir=$$ck $(ARGS); \
 		mkdir -p results/train_scaling/$(MODEL)/$$d/$$p weights/$(MODEL)/scaling/$$p; \
-		cp $$ck/$(MODEL)/$$d/log.jsonl results/train_scaling/$(MODEL)/$$d/$$p/; \
+		cp $$ck/$(MODEL)/$$d/log.jsonl $$ck/$(MODEL)/$$d/final/config.json results/train_scaling/$(MODEL)/$$d/$$p/; \
 		rm -rf weights/$(MODEL)/scaling/$$p/$$d; cp -r $$ck/$(MODEL)/$$d/final weights/$(MODEL)/scaling/$$p/$$d; \
 	done; done
 

@@ -473,3 +473,28 @@ def test_training_curves_draw_the_drafters_and_list_variants_with_their_command(
     assert "| m | eagle_wd001 | 1 | 1.500 |" in variants
     assert "- `eagle_wd001`: `python -m specbench.train drafter=eagle` at abcdef0" in variants
     assert (tmp_path / "training_curves.png").stat().st_size > 0
+
+
+def test_the_scaling_table_reads_each_point_its_seeds_and_the_committed_1x_run(tmp_path):
+    """results/train_scaling/<model>/<drafter>/n<k>[_seed<s>]/: the last validation of each finished point (a point
+    without its config.json is still training: left out), two seeds as mean ± half their range, the budget's 1x point
+    from results/training/; make figures writes the table and the figure."""
+    def point(path: Path, taus: list[float], final: bool = True) -> None:
+        path.mkdir(parents=True)
+        (path / "log.jsonl").write_text("".join(json.dumps({"kind": "val", "epoch": i, "sim_tau": t,
+                                                            "alpha": [t - 1, 0.1]}) + "\n" for i, t in enumerate(taus)))
+        if final:
+            (path / "config.json").write_text(json.dumps({"train": {"conversations": 1600}}))
+
+    root = tmp_path / "results"
+    point(root / "train_scaling" / "m" / "eagle" / "n200", [1.10, 1.20])
+    point(root / "train_scaling" / "m" / "eagle" / "n200_seed1", [1.15, 1.30])
+    point(root / "train_scaling" / "m" / "eagle" / "n400", [1.35], final=False)  # still training
+    point(root / "train_scaling" / "m" / "moa" / "n200", [1.05, 1.08])
+    point(root / "training" / "m" / "eagle", [1.40, 1.50])
+    report(root)
+    table = (root / "train_scaling" / "m" / "scaling.md").read_text()
+    assert "| method | 200 conv. sim τ (0-α) | 1600 conv. sim τ (0-α) |" in table
+    assert "| eagle | 1.250 ± 0.050 (0.25) | 1.500 (0.50) |" in table
+    assert "| moa | 1.080 (0.08) | – |" in table  # no committed moa run under results/training/m
+    assert (root / "train_scaling" / "m" / "scaling.png").is_file()

@@ -9,6 +9,7 @@ from specbench.bench.report.tables import (
     AutoTable, BaselinesTable, BatchTable, BoardTable, VocabTable, experiment_report)
 from specbench.bench.report.figures import figure_cost, figure_leviathan
 from specbench.bench.report.logs import training_curves, trainmem, trainspeed
+from specbench.bench.report.scaling import train_scaling
 from specbench.bench.report.experiments import (
     baselines_report, batch_report, board_report, tree_auto_report, vocab_report)
 
@@ -54,6 +55,7 @@ def report(results: Path) -> list[Path]:
         for table in (t for t in tables if isinstance(t, BoardTable)):
             written += board_report(exp_dir, table)
     training_curves(results / "training", results / "training")
+    written += train_scaling(results / "train_scaling", results / "training")
     trainmem(results / "trainmem")
     trainspeed(results / "trainspeed")
     return written
