@@ -129,7 +129,8 @@ class LocalCluster:
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}", f"SlurmdPidFile={self.root / 'slurmd.pid'}",
             f"SlurmctldLogFile={self.root / 'log' / 'slurmctld.log'}",
             f"SlurmdLogFile={self.root / 'log' / 'slurmd.log'}",
-            # no systemd, no cgroups: a job step's processes tracked by their process group (linuxproc's /proc walk fails under gVisor, leaving a cancelled step running), tasks not bound
+            # no systemd, no cgroups: a job step's processes tracked by their process group (linuxproc's /proc walk
+            # fails under gVisor, leaving a cancelled step running), tasks not bound
             "ProctrackType=proctrack/pgid", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=127.0.0.1",
             f"AccountingStoragePort={self.ports.slurmdbd}",
@@ -153,9 +154,9 @@ class LocalCluster:
 
     # ---- daemons -------------------------------------------------------------------------------------------------
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 (kept open for the daemon's life)
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=self.env(), start_new_session=True)
+        with open(self.root / "log" / f"{name}.out", "ab") as log:  # (the daemon keeps its own copy of the fd)
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                env=self.env(), start_new_session=True)
 
     def _wait(self, name: str, ready, timeout: float = 60.0) -> None:
         end = time.monotonic() + timeout
