@@ -498,3 +498,101 @@ def test_the_scaling_table_reads_each_point_its_seeds_and_the_committed_1x_run(t
     assert "| eagle | 1.250 ± 0.050 (0.25) | 1.500 (0.50) |" in table
     assert "| moa | 1.080 (0.08) | – |" in table  # no committed moa run under results/training/m
     assert (root / "train_scaling" / "m" / "scaling.png").is_file()
+
+
+def test_every_drafter_has_its_own_colour_and_marker():
+    """Issue 81: one fixed (colour, marker) per conf/drafter name, the same in every figure, no two drafters alike (the
+    batch figure's 10-colour cycle drew sd_tree and eagle3 alike); within a family (one batch panel) the colours differ
+    too; a name outside conf/drafter gets a pair from its name, the same on every call."""
+    from specbench.bench.report import style
+
+    names = sorted(p.stem for p in (REPO / "conf" / "drafter").glob("*.yaml"))
+    assert {"none", "sd", "sd_tree", "eagle3", "moa_tli1"} <= set(names)
+    pairs = {n: style.drafter_style(n) for n in names}
+    assert len(set(pairs.values())) == len(names), pairs
+    assert len({c for c, _ in pairs.values()}) == len(names)  # the colours alone differ as well
+    for family, members in style.FAMILIES.items():
+        assert set(members) <= set(names), family
+        assert len({style.colour(n) for n in members}) == len(members), family
+    assert {n for n in names if style.family(n) == "other"} == {"none"}  # every drafter has a batch panel
+    other = style.drafter_style("eagle_wd001")
+    assert other == style.drafter_style("eagle_wd001") and other[0].startswith("#") and other[1]
+    assert style.dataset_name("mtbench") == "MT-Bench" and style.dataset_name("jsonl") == "jsonl"
+
+
+def test_save_writes_a_png_and_a_vector_pdf_without_timestamps(tmp_path):
+    """Every figure as PNG and, beside it, a PDF (a paper takes vectors), both the same bytes on a re-run: `save` keeps
+    its name in figures (logs and scaling draw through it)."""
+    import matplotlib.pyplot as plt
+    from specbench.bench.report.figures import save
+
+    def draw(path):
+        fig, ax = plt.subplots()
+        ax.plot([1, 2, 3], [1, 4, 9], label="x")
+        ax.legend()
+        save(fig, path)
+
+    draw(tmp_path / "a.png")
+    png, pdf = (tmp_path / "a.png").read_bytes(), (tmp_path / "a.pdf").read_bytes()
+    assert png.startswith(b"\x89PNG") and pdf.startswith(b"%PDF")
+    assert b"CreationDate" not in pdf and b"Matplotlib" not in pdf  # no time, no version stamp
+    draw(tmp_path / "a.png")
+    assert (tmp_path / "a.png").read_bytes() == png and (tmp_path / "a.pdf").read_bytes() == pdf
+
+
+def test_the_batch_figure_is_one_panel_per_drafter_family(monkeypatch, tmp_path):
+    """Issue 81: the batch figure as small multiples, one axes per family of the drafters run (style.FAMILIES), shared
+    axes, each drafter in its own colour, the paper tree solid and tree=auto dashed, the legend naming the B from which
+    each stays below 1.0x (paper | auto) as the table's column does; the B axis ticks are the batch sizes."""
+    from specbench.bench.report import figures, style
+
+    shown = []
+    monkeypatch.setattr(figures, "save", lambda fig, path: shown.append((fig, path)))
+    spu = {"sd": [0.6, 0.5, 0.4], "pld": [1.3, 1.1, 0.9], "eagle": [0.5, 0.4, 0.3], "eagle2": [1.1, 1.2, 1.05],
+           "moa": [0.3, 0.2, 0.1]}
+    cells = {(d, "mtbench", v, b, 0.0): {"drafter": d, "speedup": {"mean": x * (1.3 if v == "auto" else 1.0)}}
+             for d, xs in spu.items() for v in ("paper", "auto") for b, x in zip((1, 2, 4), xs)}
+    cells[("none", "mtbench", "none", 1, 0.0)] = {"drafter": "none"}
+    figures.figure_batch(cells, [1, 2, 4], "mtbench", tmp_path / "batch_sweep" / "batch.tiny.png")
+    (fig, path), = shown
+    assert path.name == "batch.tiny.png"
+    assert [ax.get_legend().get_title().get_text() for ax in fig.axes] == [
+        "independent draft / lookup", "EAGLE head", "MoA"]
+    legends = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes]
+    assert legends == [["sd (1 | 1)", "pld (4 | > 4)"], ["eagle (1 | 1)", "eagle2 (> 4 | > 4)"], ["moa (1 | 1)"]]
+    first = fig.axes[0]
+    assert all(ax.get_shared_x_axes().joined(first, ax) and ax.get_shared_y_axes().joined(first, ax)
+               for ax in fig.axes)
+    curves = [line for line in fig.axes[1].get_lines() if len(line.get_xdata()) == 3]
+    assert {(line.get_color(), line.get_linestyle()) for line in curves} == {
+        (style.colour(d), ls) for d in ("eagle", "eagle2") for ls in ("-", "--")}
+    assert list(first.get_xticks()) == [1, 2, 4]
+    assert fig._suptitle.get_text().startswith("batch_sweep: ")  # the title names the experiment
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_the_training_curves_have_whole_epochs_and_the_legend_beside_the_panels(monkeypatch, tmp_path):
+    """Issue 81: epoch and draft-position ticks are integers (three epochs once read 1.0, 1.25, ...); the legend sits
+    beside the panels, not on a panel's lines; each drafter in its style colour; the title names the results."""
+    from specbench.bench.report import logs, style
+
+    shown = []
+    monkeypatch.setattr(logs, "save", lambda fig, path: shown.append(fig))
+    for name, taus in (("eagle", [1.2, 1.4, 1.5]), ("hass", [1.1, 1.3, 1.6])):
+        (tmp_path / "m" / name).mkdir(parents=True)
+        (tmp_path / "m" / name / "log.jsonl").write_text("".join(
+            json.dumps({"kind": "val", "epoch": i, "sim_tau": t, "alpha": [0.4, 0.3, 0.2, 0.1, 0.0]}) + "\n"
+            for i, t in enumerate(taus)))
+    logs.training_curves(tmp_path, tmp_path / "training")
+    fig, = shown
+    fig.canvas.draw()
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+        assert ax.get_legend() is None
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["eagle", "hass"]
+    assert [line.get_color() for line in fig.axes[0].get_lines()] == [style.colour("eagle"), style.colour("hass")]
+    assert fig._suptitle.get_text().startswith("training: ")
+    import matplotlib.pyplot as plt
+    plt.close(fig)

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 from specbench.core.cli import CONF_DIR
 from specbench.core.records import read_jsonl
+from specbench.bench.report import style
 from specbench.bench.report.figures import save
 
 
@@ -18,7 +19,7 @@ def training_curves(root: Path, out: Path) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     drafters = {p.stem for p in (CONF_DIR / "drafter").glob("*.yaml")}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = style.subplots(1, 2, figsize=(7.5, 3))
     head = ["| model | drafter | epoch | sim τ | " + " | ".join(f"{i}-α" for i in range(5)) + " |", "|" + "---|" * 9]
     lines, variants, commands = list(head), list(head), []
     for log in logs:
@@ -37,12 +38,16 @@ def training_curves(root: Path, out: Path) -> None:
             continue
         lines += rows
         epochs = [r["epoch"] + 1 for r in vals]
-        axes[0].plot(epochs, [r["sim_tau"] for r in vals], marker="o", label=drafter)
-        axes[1].plot(range(1, len(vals[-1]["alpha"]) + 1), vals[-1]["alpha"], marker="o", label=drafter)
-    axes[0].set_xlabel("epoch"), axes[0].set_ylabel("validation simulated τ"), axes[0].legend(fontsize=7)
-    axes[1].set_xlabel("draft position n"), axes[1].set_ylabel("acceptance (last epoch)"), axes[1].legend(fontsize=7)
-    fig.suptitle("Training efficiency: per-position acceptance (papers/000 Fig. 3-5, papers/003 Fig. 6)")
-    fig.tight_layout()
+        color, mark = style.drafter_style(drafter)
+        axes[0].plot(epochs, [r["sim_tau"] for r in vals], marker=mark, color=color, label=drafter)
+        axes[1].plot(range(1, len(vals[-1]["alpha"]) + 1), vals[-1]["alpha"], marker=mark, color=color)
+    axes[0].set_xlabel("epoch"), axes[0].set_ylabel("validation simulated τ")
+    axes[1].set_xlabel("draft position n"), axes[1].set_ylabel("acceptance (last epoch)")
+    for ax in axes:  # epochs and positions are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if axes[0].get_legend_handles_labels()[0]:  # one legend for both panels, beside them: on a panel it hid lines
+        fig.legend(loc="outside right upper", title="drafter")
+    fig.suptitle(f"{out.name}: validation after each epoch (as papers/000 Fig. 3-5, papers/003 Fig. 6)")
     save(fig, out / "training_curves.png")
     md = "**Per-epoch validation (chain, own predictions)**\n\n" + "\n".join(lines) + "\n"
     if commands:
@@ -63,14 +68,19 @@ def trainmem(root: Path) -> None:
                f"{(r['peak_bytes'] - r['base_bytes']) / 2**20:.0f} | {r['graph_bytes'] / 2**20:.1f} | {r['step_s']:.2f} |"
                for r in rows]
         (f.parent / "trainmem.md").write_text("\n".join(md) + "\n")
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        fig, axes = style.subplots(1, 2, figsize=(7, 2.8))
         for method in sorted({r["method"] for r in rows}):
             pts = sorted((r["steps"], r) for r in rows if r["method"] == method)
-            axes[0].plot([s for s, _ in pts], [r["graph_bytes"] / 2**20 for _, r in pts], marker="o", label=method)
-            axes[1].plot([s for s, _ in pts], [r["step_s"] for _, r in pts], marker="o", label=method)
-        axes[0].set_xlabel("simulated steps s"), axes[0].set_ylabel("autograd graph MiB"), axes[0].legend()
-        axes[1].set_xlabel("simulated steps s"), axes[1].set_ylabel("s / training step"), axes[1].legend()
-        fig.tight_layout()
+            color, mark = style.drafter_style(method)
+            axes[0].plot([s for s, _ in pts], [r["graph_bytes"] / 2**20 for _, r in pts], marker=mark, color=color,
+                         label=method)
+            axes[1].plot([s for s, _ in pts], [r["step_s"] for _, r in pts], marker=mark, color=color)
+        axes[0].set_xlabel("simulated steps s"), axes[0].set_ylabel("autograd graph MiB")
+        axes[1].set_xlabel("simulated steps s"), axes[1].set_ylabel("s / training step")
+        for ax in axes:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        fig.legend(loc="outside right upper", title="method")
+        fig.suptitle(f"trainmem: training memory and time against simulated steps (batch {rows[0]['tokens']} tokens)")
         save(fig, f.parent / "trainmem.png")
 
 
