@@ -12,9 +12,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-
-from specbench.bench.report.figures import save
+from specbench.bench.report import style
 from specbench.core.records import read_jsonl
 
 POINT = re.compile(r"^n(?P<n>\d+)(?:_seed(?P<seed>\d+))?$")
@@ -67,7 +65,7 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
               f"{model_dir.name}: the budget's recipe on its first n conversations, the same held-out set; the "
               f"largest n is the committed weights' run. a ± b: mean ± spread (max - min) / 2 over seeds.**", "",
               head, "|---|" + "---|" * len(sizes)]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = style.subplots(figsize=(6, 4))
         for drafter in drafters:
             cells, xs, ys, errs = [], [], [], []
             for n in sizes:
@@ -81,15 +79,15 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
                 cells.append(f"{mean:.3f}{spread} ({statistics.fmean(p.alpha0 for p in at):.2f})")
                 xs.append(n), ys.append(mean), errs.append(half)
             md.append(f"| {drafter} | " + " | ".join(cells) + " |")
-            ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=drafter)
+            ax.errorbar(xs, ys, yerr=errs, marker=style.marker(drafter), color=style.colour(drafter), capsize=3,
+                        label=drafter)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_xlabel("training conversations (log scale)")
         ax.set_ylabel("validation simulated τ")
-        ax.set_title(f"Data scaling on the embedded budget ({model_dir.name})")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        save(fig, model_dir / "scaling.png")
+        ax.set_title(f"train_scaling: validation τ against training data ({model_dir.name})")
+        ax.legend()
+        style.save(fig, model_dir / "scaling.png")
         (model_dir / "scaling.md").write_text("\n".join(md) + "\n")
-        written += [model_dir / "scaling.md", model_dir / "scaling.png"]
+        written += [model_dir / "scaling.md", model_dir / "scaling.png", model_dir / "scaling.pdf"]
     return written
