@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from specbench.core.records import read_jsonl
 from specbench.decode.checkpoints import read_meta
+from specbench.tools.cluster import free_port
 from specbench.train.trainer import Trainer
 from tests.test_train import sharegpt_file, train_overrides  # noqa: F401 (a fixture)
 
@@ -201,12 +202,6 @@ def test_a_job_stopped_half_way_resumes_from_the_turns_on_disk(tmp_path, tiny_ch
 
 
 # ---- training across nodes -------------------------------------------------------------------------------------
-def free_port() -> int:
-    from specbench.tools.cluster import free_port as port
-
-    return port()
-
-
 def submit_training(tmp_path: Path, tiny_checkpoint: Path, sharegpt: Path, out: str, nodes: int, nproc: int,  # noqa: F811
                     *extra: str) -> str:
     """scripts/slurm/train.sbatch in its CPU form: `nodes` torchrun agents (node ranks, one srun task each) of
