@@ -9,7 +9,8 @@ A block in a markdown file
 
 is replaced by that file's text (its caption and table); with `columns: method, mtbench Spu, mtbench τ` after the
 path, by its first table cut to those columns (header names as in the file), without the caption; `columns: *`: its
-first table whole, without the caption. Paths are relative
+first table whole, without the caption. `path#n` reads the file from its n-th table on (1-based; with `columns`, that
+table stands for its first), for a record that holds several tables, e.g. `make gpu-check`'s. Paths are relative
 to the repository. A block whose file is missing is left as it is and named.
 """
 from __future__ import annotations
@@ -31,13 +32,13 @@ def _cells(line: str) -> list[str]:
 
 def table_columns(text: str, columns: list[str]) -> str:
     """The first markdown table of `text`, cut to `columns` (in that order) -> its lines."""
-    lines = [ln for ln in text.splitlines() if ln.startswith("|")]
+    start = next((i for i, ln in enumerate(text.splitlines()) if ln.startswith("|")), 0)
+    block = text.splitlines()[start:]
+    lines = block[: next((i for i, ln in enumerate(block) if not ln.startswith("|")), len(block))]  # the first table's
     if len(lines) < 2:
         raise ValueError("no markdown table")
-    end = next((i for i, ln in enumerate(text.splitlines()) if ln.startswith("|")), 0)
     if columns == ["*"]:  # the first table as the file has it
-        block = text.splitlines()[end:]
-        return "\n".join(block[: next((i for i, ln in enumerate(block) if not ln.startswith("|")), len(block))]) + "\n"
+        return "\n".join(lines) + "\n"
     header = _cells(lines[0])
     missing = [c for c in columns if c not in header]
     if missing:
@@ -47,11 +48,23 @@ def table_columns(text: str, columns: list[str]) -> str:
     return "\n".join("| " + " | ".join(r[i] for i in idx) + " |" for r in rows) + "\n"
 
 
+def nth_table_on(text: str, n: int) -> str:
+    """`text` from the first line of its n-th markdown table (1-based) on."""
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))]
+    if not 1 <= n <= len(starts):
+        raise ValueError(f"no table {n} (the file has {len(starts)})")
+    return "".join(lines[starts[n - 1]:])
+
+
 def render_block(repo: Path, src: str, cols: str | None) -> str | None:
+    src, _, nth = src.partition("#")
     path = repo / src
     if not path.is_file():
         return None
     text = path.read_text()
+    if nth:  # a later table of the file: cut to it, then read as the file's first
+        text = nth_table_on(text, int(nth))
     if cols is None:
         return text.rstrip("\n") + "\n"
     return table_columns(text, [c.strip() for c in cols.split(",")])
