@@ -22,7 +22,7 @@ TRAIN_CMD = $(if $(filter 1,$(NPROC)),$(BIN)/python -m specbench.train,$(BIN)/to
 # the trainable drafters, from their own YAMLs (specbench/train/trainable.py); expanded when `make train` runs, after setup
 TRAIN_DRAFTERS ?= $(shell $(BIN)/python -m specbench.trainable)
 
-.PHONY: setup data rehearse test test-fast cluster-test train-scaling bench perf limit perf-drafters peer train trainmem trainspeed figures download gpu-check
+.PHONY: setup data rehearse test test-fast cluster-test train-scaling train-scaling-tau bench perf limit perf-drafters peer train trainmem trainspeed figures download gpu-check
 
 $(VENV)/.stamp: requirements.txt requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -125,6 +125,16 @@ train-scaling: setup
 		cp $$ck/$(MODEL)/$$d/log.jsonl $$ck/$(MODEL)/$$d/final/config.json results/train_scaling/$(MODEL)/$$d/$$p/; \
 		rm -rf weights/$(MODEL)/scaling/$$p/$$d; cp -r $$ck/$(MODEL)/$$d/final weights/$(MODEL)/scaling/$$p/$$d; \
 	done; done
+
+# Each data-scaling point's weights (and the committed 1x weights) decoded for measured τ on MT-Bench and GSM8K at
+# MoA Table 2's tree (conf/experiment/train_scaling_tau.yaml); resumes (a decoded point is skipped). The trained name
+# eagle decodes as eagle2 (one head: the tree is the decoding's). `make figures` adds the τ to scaling.md.
+train-scaling-tau: setup
+	set -e; for d in $(SCALING_DRAFTERS); do dn=$$d; [ $$d = eagle ] && dn=eagle2; \
+		for ck in weights/$(MODEL)/$$d weights/$(MODEL)/scaling/*/$$d; do [ -d $$ck ] || continue; \
+			$(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=train_scaling_tau +preset=cpu drafter=$$dn \
+				drafter.checkpoint=$$ck $(ARGS); \
+		done; done
 
 # Peak training memory and step time vs simulated steps: Beagle's late stage vs HASS (results/trainmem/).
 trainmem: setup

@@ -500,6 +500,34 @@ def test_the_scaling_table_reads_each_point_its_seeds_and_the_committed_1x_run(t
     assert (root / "train_scaling" / "m" / "scaling.png").is_file()
 
 
+def test_the_scaling_table_adds_each_points_measured_tau_read_back_from_its_checkpoint(tmp_path):
+    """results/train_scaling_tau/<run>/: a decoded point's τ under the point its drafter.checkpoint names (the 1x
+    weights at the budget's count), two seeds as mean ± half their range, the baseline's run (no checkpoint) left out,
+    a run of another model left out."""
+    def decoded(name: str, checkpoint: str | None, dataset: str, tau: float, model: str = "m") -> None:
+        run = root / "train_scaling_tau" / name
+        run.mkdir(parents=True)
+        (run / "run.json").write_text(json.dumps({"config": {"model": {"name": model}, "dataset": {"name": dataset},
+                                                             "drafter": {"checkpoint": checkpoint}}}))
+        (run / "summary.json").write_text(json.dumps({"tau_micro": tau, "lossless": True}))
+
+    root = tmp_path / "results"
+    point = root / "train_scaling" / "m" / "moa" / "n200"
+    point.mkdir(parents=True)
+    (point / "log.jsonl").write_text(json.dumps({"kind": "val", "sim_tau": 1.1, "alpha": [0.1]}) + "\n")
+    (point / "config.json").write_text(json.dumps({"train": {"conversations": 1600}}))
+    decoded("a", "weights/m/scaling/n200/moa", "mtbench", 1.50)
+    decoded("b", "weights/m/scaling/n200_seed1/moa", "mtbench", 1.70)
+    decoded("c", "weights/m/moa", "mtbench", 2.00)
+    decoded("d", None, "mtbench", 1.00)  # the baseline
+    decoded("e", "weights/other/scaling/n200/moa", "mtbench", 9.00, model="other")
+    report(root)
+    table = (root / "train_scaling" / "m" / "scaling.md").read_text()
+    assert "| method | dataset | 200 conv. | 1600 conv. |" in table
+    assert "| moa | MT-Bench | 1.60 ± 0.10 | 2.00 |" in table
+    assert "9.00" not in table and "not lossless" not in table
+
+
 def test_every_drafter_has_its_own_colour_and_marker():
     """Issue 81: one fixed (colour, marker) per conf/drafter name, the same in every figure, no two drafters alike (the
     batch figure's 10-colour cycle drew sd_tree and eagle3 alike); within a family (one batch panel) the colours differ

@@ -3,7 +3,10 @@ of training conversations, one line per method, the seed spread where a point wa
 
 Points: results/train_scaling/<model>/<drafter>/n<subset>[_seed<s>]/{log.jsonl,config.json}; the whole budget (1x)
 is the committed weights' run, results/training/<model>/<drafter>/log.jsonl, at the budget's conversation count (its
-scaling points' config.json: train.conversations)."""
+scaling points' config.json: train.conversations).
+Measured τ (`make train-scaling-tau`): results/train_scaling_tau/<run>/{run.json,summary.json}, each run's point read
+back from its drafter.checkpoint (weights/<model>/scaling/<point>/<drafter>, or weights/<model>/<drafter>: the 1x
+point)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +19,7 @@ from specbench.bench.report import style
 from specbench.core.records import read_jsonl
 
 POINT = re.compile(r"^n(?P<n>\d+)(?:_seed(?P<seed>\d+))?$")
+CHECKPOINT = re.compile(r"(?:^|/)(?:scaling/(?P<point>n\d+(?:_seed\d+)?)/)?(?P<drafter>[^/]+)/?$")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,37 @@ class Point:
     seed: int
     sim_tau: float  # the last epoch's validation simulated τ
     alpha0: float  # its first-position acceptance
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One decoded point: its weights' measured τ on one dataset (MoA Table 2's tree, conf/experiment/train_scaling_tau)."""
+
+    drafter: str  # the trained name (the weights' directory), e.g. eagle (decoded as eagle2)
+    conversations: int | None  # None: the committed 1x weights (the budget's count, filled in by the caller)
+    seed: int
+    dataset: str
+    tau: float  # tau_micro, as Table 2's τ column
+    lossless: bool | None
+
+
+def measured(root: Path, model: str) -> list[Measured]:
+    """Every finished decode of a scaling point (or of the 1x weights) of `model` under results/train_scaling_tau/."""
+    out = []
+    for summary in sorted(root.glob("*/summary.json")) if root.is_dir() else []:
+        run = json.loads((summary.parent / "run.json").read_text())
+        config, s = run["config"], json.loads(summary.read_text())
+        ck = config["drafter"].get("checkpoint")
+        if config["model"]["name"] != model or not ck or (m := CHECKPOINT.search(str(ck))) is None:
+            continue  # the baseline runs (no checkpoint)
+        point = POINT.match(m["point"]) if m["point"] else None
+        out.append(Measured(m["drafter"], int(point["n"]) if point else None, int(point["seed"] or 0) if point else 0,
+                            config["dataset"]["name"], s["tau_micro"], s.get("lossless")))
+    return out
+
+
+def _mean_spread(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (max(values) - min(values)) / 2
 
 
 def last_val(log: Path) -> dict | None:
@@ -59,13 +94,19 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
         if not pts:
             continue
         drafters = sorted({p.drafter for p in pts})
-        sizes = sorted({p.conversations for p in pts})
+        decoded = measured(root.parent / "train_scaling_tau", model_dir.name)
+        budget = max(json.loads(c.read_text())["train"]["conversations"] for c in model_dir.glob("*/*/config.json"))
+        decoded = [t if t.conversations is not None else Measured(t.drafter, budget, 0, t.dataset, t.tau, t.lossless)
+                   for t in decoded]
+        datasets = sorted({t.dataset for t in decoded})
+        sizes = sorted({p.conversations for p in pts} | {t.conversations for t in decoded})
         head = "| method | " + " | ".join(f"{n} conv. sim τ (0-α)" for n in sizes) + " |"
         md = [f"**Validation simulated τ (and first-position acceptance) against training conversations, model "
               f"{model_dir.name}: the budget's recipe on its first n conversations, the same held-out set; the "
               f"largest n is the committed weights' run. a ± b: mean ± spread (max - min) / 2 over seeds.**", "",
               head, "|---|" + "---|" * len(sizes)]
-        fig, ax = style.subplots(figsize=(6, 4))
+        fig, axes = style.subplots(1, 1 + len(datasets), figsize=(6 + 4 * len(datasets), 4), squeeze=False)
+        ax = axes[0][0]
         for drafter in drafters:
             cells, xs, ys, errs = [], [], [], []
             for n in sizes:
@@ -85,8 +126,36 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_xlabel("training conversations (log scale)")
         ax.set_ylabel("validation simulated τ")
-        ax.set_title(f"train_scaling: validation τ against training data ({model_dir.name})")
+        ax.set_title(f"validation τ ({model_dir.name})")
         ax.legend()
+        if decoded:
+            md += ["", f"**Measured τ against training conversations, model {model_dir.name}: each point's weights "
+                   f"decoded at MoA Table 2's tree (depth 6, top-k 8, 62 drafted nodes), T = 0, the cpu preset's "
+                   f"questions (`make train-scaling-tau`); the largest n is the committed weights. a ± b over seeds; "
+                   f"every decode lossless unless marked.**", "",
+                   "| method | dataset | " + " | ".join(f"{n} conv." for n in sizes) + " |",
+                   "|---|---|" + "---|" * len(sizes)]
+            for i, dataset in enumerate(datasets, 1):
+                for drafter in sorted({t.drafter for t in decoded}):
+                    cells, xs, ys, errs = [], [], [], []
+                    for n in sizes:
+                        at = [t for t in decoded if (t.drafter, t.dataset, t.conversations) == (drafter, dataset, n)]
+                        if not at:
+                            cells.append("–")
+                            continue
+                        mean, half = _mean_spread([t.tau for t in at])
+                        flag = "" if all(t.lossless is not False for t in at) else " (not lossless)"
+                        cells.append(f"{mean:.2f}" + (f" ± {half:.2f}" if len(at) > 1 else "") + flag)
+                        xs.append(n), ys.append(mean), errs.append(half)
+                    md.append(f"| {drafter} | {style.dataset_name(dataset)} | " + " | ".join(cells) + " |")
+                    axes[0][i].errorbar(xs, ys, yerr=errs, marker=style.marker(drafter), color=style.colour(drafter),
+                                        capsize=3, label=drafter)
+                axes[0][i].set_xscale("log", base=2)
+                axes[0][i].set_xticks(sizes, [str(n) for n in sizes])
+                axes[0][i].set_xlabel("training conversations (log scale)")
+                axes[0][i].set_ylabel("measured τ")
+                axes[0][i].set_title(f"measured τ, {style.dataset_name(dataset)}")
+        fig.suptitle(f"train_scaling: τ against training data ({model_dir.name})")
         style.save(fig, model_dir / "scaling.png")
         (model_dir / "scaling.md").write_text("\n".join(md) + "\n")
         written += [model_dir / "scaling.md", model_dir / "scaling.png", model_dir / "scaling.pdf"]
