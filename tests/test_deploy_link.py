@@ -144,17 +144,17 @@ def read_exactly(sock: socket.socket, n: int) -> bytes:
 def test_linked_socket_delays_real_writes_and_never_early():
     a, b = socket.socketpair()
     b.settimeout(5)
-    link = LinkedSocket(a, LinkModel(LinkConfig(name="custom", base_delay_ms=40.0), seed=0))
+    link = LinkedSocket(a, LinkModel(LinkConfig(name="custom", base_delay_ms=200.0), seed=0))
     t0 = time.monotonic()
     sent = [link.sendall(bytes([i]) * 100) for i in range(3)]
-    assert time.monotonic() - t0 < 0.03  # sendall queues; it does not sleep the delay
+    assert time.monotonic() - t0 < 0.1  # sendall queues; it does not sleep the 200 ms
     for i, d in enumerate(sent):
         msg = read_exactly(b, 100)
         now = time.monotonic()
         assert msg == bytes([i]) * 100
         assert now >= d.deliver_at  # never before the emulated arrival
         assert now < d.deliver_at + 0.5  # (generous: a loaded machine's scheduler)
-    assert [d.delay_s for d in link.sent] == pytest.approx([0.04] * 3)
+    assert [d.delay_s for d in link.sent] == pytest.approx([0.2] * 3)
     link.close()
     b.close()
 
