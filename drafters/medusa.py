@@ -242,9 +242,7 @@ class MedusaDrafter(TrainableDrafter):
 
     @staticmethod
     def _last_hidden(state: TargetState) -> torch.Tensor:
-        """Each row's last fresh hidden state [B, H] (ragged rows: at its own count)."""
-        if state.lengths is None:
-            return state.hidden[:, -1]
+        """Each row's last fresh hidden state [B, H] (each row at its own count)."""
         last = (state.fresh_rows() - 1)[:, None, None].expand(-1, 1, state.hidden.shape[-1])
         return state.hidden.gather(1, last)[:, 0]
 
