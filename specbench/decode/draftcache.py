@@ -112,24 +112,25 @@ class DraftCache:
                                                                                              dtype)
 
     def append(self, step: Callable[..., torch.Tensor], fresh: RowCounts, *inputs: torch.Tensor,
-               region: Region | None = None) -> torch.Tensor:
+               region: Region | None = None, whole: tuple = ()) -> torch.Tensor:
         """Row b's fresh[b] new verified entries through `step(prefixes [P], *inputs)`, for a drafter whose layers are
         not an HF decoder (EAGLE-3's mid-layer, Beagle's keys, MoA's layers): inputs [A, n, ...] left-aligned (past
         fresh[b]: padding), written behind each row's verified entries at the geometry `causal(prefixes, q, dtype)`
         gives, the step's output [A, n, ...] returned (None from a step that only writes: Beagle's); then they count
         (commit). Under model.compile with `region` (a Region of the same step, held by the drafter): the inputs padded
         to the static cache's batch bucket and to a row bucket (the prompt's entries: as they are, eagerly), the write
-        offsets placed, the step one compiled graph; the one code either way."""
+        offsets placed, the step one compiled graph; the one code either way. whole: more arguments, passed to the step
+        as they are after the inputs (under model.compile: shapes that never change, MoA's target K/V buffers whole)."""
         self.rollback()
         a, n = inputs[0].shape[:2]
         if region is None or not self.static:
-            out = step(self.verified.dev, *inputs)
+            out = step(self.verified.dev, *inputs, *whole)
         else:
             prefill = self.cache.get_seq_length() == 0
             q, bucket = step_rows(n, prefill), self.cache.batch
             self.cache.begin(q, STATIC_BLOCK)  # each row's entries behind its own verified ones
             out = region(self.cache, prefill, pad_rows(self.verified.dev, bucket),
-                         *(pad_rows(x, bucket, q) for x in inputs))
+                         *(pad_rows(x, bucket, q) for x in inputs), *whole)
             out = None if out is None else out[:a, :n]
         self.commit(fresh)
         return out
