@@ -88,7 +88,7 @@ from specbench.errors import SpecbenchError
 from drafters.distill import per_sequence_weights, teacher_probs, top1, weighted_mean
 from drafters.layers import layers_config, target_layer
 from drafters.trees import Grown, GrowingTree, make_tree
-from specbench.decode.target import kv_per_token
+from specbench.decode.target import cache_kv, kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
@@ -463,8 +463,6 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
     def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
         """Greedy chains through the decoding path itself (the target's K/V recomputed for the prefix): a static tree
         of one path, each drafted token seeing the same activations and its drafted ancestors."""
-        from specbench.decode.target import cache_kv
-
         d = cls(target, net=module, tree={"kind": "static", "paths": chain_paths(depth)})
         out = []
         for t in positions:
@@ -476,24 +474,13 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
         return torch.stack(out)
 
     # ---- decoding side -------------------------------------------------------------------------------------------
-    # Every row of a batch, batch 1 included, drafts in the same forwards (the rows protocol). One DraftCache
-    # (specbench/decode/draftcache.py) holds the layers [SA, TLI..., CA], each row's verified entries those of the
-    # target's cached tokens (every verified token but the root): their SA entries, their activations' CA keys and the
-    # target's own K, V of the TLI layers. A step appends the new ones (`_append_step`: LSA, CA keys, TLI copies and SA,
-    # one forward for all rows), then grows the tree (`_grow`): the root is its slot 0 (a drafted entry in the SA and
-    # TLI layers, dropped with the tree and written again as verified at the next step), each level one forward of SA,
-    # CA over every verified activation, and the TLI layers over the same slots. model.compile: the same two steps,
-    # each one compiled region on the DraftCache's static cache.
+    # Every row of a batch, batch 1 included, drafts in the same forwards. One DraftCache holds the layers [SA, TLI...,
+    # CA]; a row's verified entries are the target's cached tokens' (every verified token but the root). A step
+    # appends the new ones (`_append_step`), then grows the tree (`_grow`), whose slot 0 is the root: a drafted entry,
+    # dropped with the tree and written again as verified at the next step. model.compile: each one compiled region.
     def prefill_rows(self, state: TargetState) -> None:
         config = layers_config(self.target, 2 + self.net.tli)
         self.cache = DraftCache.for_decoder(self.target, config, state, self.net.self_attention)
-
-    @property
-    def _tli_kv(self) -> list:
-        return self.cache.cache.layers[1 : 1 + self.net.tli]
-
-    def _wdt(self) -> torch.dtype:
-        return self.net.Ekv2E.weight.dtype
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
@@ -514,8 +501,7 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
         the target's K, V of their positions (kv: per layer [P' >= P or fewer, nkv, >= prefixes + q, dh], the cache's
         views or its static buffers whole): their activations (LSA), CA keys and TLI layers' K, V, and their SA
         entries, causal among themselves."""
-        p, q = toks.shape
-        wdt = self._wdt()
+        (p, q), wdt = toks.shape, self.net.Ekv2E.weight.dtype
         pos, mask = self.cache.causal(prefixes, q, wdt)  # [P, q] the positions, the SA's mask
         at = pos.clamp(max=kv[0][0].shape[2] - 1)[:, None, :, None]
 
@@ -528,7 +514,7 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
         per_layer = torch.stack([kv_per_token(k, v) for k, v in new], 2)  # [P, q, L, 2E_kv]
         acts = self.net.lsa(per_layer.flatten(0, 1).to(wdt)).view(p, q, -1)  # [P, q, E]
         self.cache.cache.layers[-1].write(*self.net.cross_attention.keys(acts, pos))
-        for cached, (k, v) in zip(self._tli_kv, new[len(new) - self.net.tli :]):
+        for cached, (k, v) in zip(self.cache.cache.layers[1:-1], new[len(new) - self.net.tli :]):  # (TLI layers)
             cached.write(k, v)
         self.net.sa(self.embed(toks).to(wdt), pos, mask, self.cache.cache)
 
@@ -537,7 +523,7 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
         SA and the TLI layers over the same slots and mask, CA over every verified activation (laid_out: inside
         CompiledTree's region, which sets the write offsets; the layers write through the cache either way)."""
         del laid_out
-        p, dev, wdt = root.shape[0], root.device, self._wdt()
+        p, dev, wdt = root.shape[0], root.device, self.net.Ekv2E.weight.dtype
         book = GrowingTree(self.policy.max_nodes, dev, root_slot=True, trees=p)
         seen = torch.ones(p, 1, 1, dtype=torch.bool, device=dev)  # the root sees its own slot
         prefixes = at(seen, 1, wdt)[0][:, 0]  # [P] each row's verified entries (the root's position)
@@ -550,30 +536,22 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
             pos, mask = at(seen_, depth, wdt)
             x = self.net.cross_attention(self.net.sa(self.embed(tokens).to(wdt), pos, mask, self.cache.cache), pos,
                                          ca_mask, ca_kv)
-            if self.net.tli and self.tli_context == "none":
-                x = self._tli_alone(x, pos)
-            elif self.net.tli:  # the same slots, in the target's dtype (the TLI layers' K, V are the target's)
-                dt = self.target.dtype
-                tli_mask = mask if mask.dtype == dt else batch_tree_mask(seen_, prefixes, mask.shape[-1], dt)
-                for cached, layer in zip(self._tli_kv, self.tli_layers):
+            dt = self.target.dtype  # (the TLI layers' K, V are the target's)
+            tli_mask = mask if mask.dtype == dt or not self.net.tli else at(seen_, depth, dt)[1]  # SA's slots
+            for cached, layer in zip(self.cache.cache.layers[1:-1], self.tli_layers):
+                if self.tli_context == "target":  # over the verified activations' K, V and the drafted path's
                     x, _, _ = target_layer(layer, self.rotary, x.to(dt), pos, None, None, tli_mask, into=cached)
-                x = self.final_norm(x)
+                else:  # none, the authors' inference: no cache, each row seeing only itself (theirs: its whole level)
+                    attn, r = layer.self_attn, x.shape[1]
+                    past = x.new_zeros(p, attn.k_proj.out_features // attn.head_dim, 0, attn.head_dim, dtype=dt)
+                    itself = torch.eye(r, dtype=torch.bool, device=dev)[None, None]  # [1, 1, R, R]
+                    x, _, _ = target_layer(layer, self.rotary, x.to(dt), pos, past, past, itself)
+            x = self.final_norm(x) if self.net.tli else x
             return self.lm_head(x.to(self.lm_head.weight.dtype))
 
         root_logits = rows(root, seen, 1)[:, 0]
         return self.policy.grow_rows(
             root_logits, lambda level: rows(level.tokens, book.add(level.nodes, level.parents), level.depth + 1))
-
-    def _tli_alone(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """tli_context none, the authors' inference: the TLI layers without any cache, each row seeing only itself (in
-        theirs it sees its whole level: module docstring) -> the final norm of their output. x [P, R, E]."""
-        itself = torch.eye(x.shape[1], dtype=torch.bool, device=x.device)[None, None]
-        for layer in self.tli_layers:
-            attn = layer.self_attn
-            none = x.new_zeros(x.shape[0], attn.k_proj.out_features // attn.head_dim, 0, attn.head_dim,
-                               dtype=self.target.dtype)  # [P, nkv, 0, dh]
-            x, _, _ = target_layer(layer, self.rotary, x.to(none.dtype), pos, none, none, itself)
-        return self.final_norm(x)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         pass  # everything the next step needs is read from state.kv / state.tokens in propose_rows
