@@ -3,19 +3,19 @@ place that keeps its row bookkeeping, so that no drafter keeps lengths, rolls ba
 leaving row by hand.
 
 A drafter with its own keys and values (EAGLE's head, sd's draft model, EAGLE-3's mid-layer, Beagle's cross-attention
-keys, MoA's caches) holds one `DraftCache` per cache whose rows hold different counts. Each batch row holds its
-`verified` entries (those of verified tokens, which stay) and, while a tree grows, drafted entries behind them (which
-go). A step is always:
+keys, MoA's caches) holds a `DraftCache`. Each batch row holds its `verified` entries (those of verified tokens, which
+stay) and, while a tree grows, drafted entries behind them (which go). A step is always:
 
     pos, mask = dc.extend(fresh, n, dtype)   # geometry for each row's fresh[b] new verified entries (n wide, padded)
     out = forward(..., dc.cache, position_ids=pos, attention_mask=mask)
     dc.commit(fresh)                          # they count now; a row's padding entries past them are stale
     tree = dc.grow(grow, root, region, policy, vocab)  # the tree's levels, drafted entries dropped after
 
-and `dc.keep(leave)` when finished rows leave the batch. The cache is a PreallocatedCache (or one PreallocatedLayer)
-written at each row's own length, or model.compile's StaticCache, whatever model.cache says: at batch 1 the rows
-are one, the cache unragged (a slice write), and a new row's entries are causal among themselves, so no mask is
-built for them (the model's causal one) - an optimisation inside the one path, not a second path.
+(`dc.append(step, fresh, *inputs, region=...)` in place of the first three for layers that are not an HF decoder),
+and `dc.keep(leave)` when finished rows leave the batch. The cache is a PreallocatedCache written at each row's own
+length, or model.compile's StaticCache, whatever model.cache says: at batch 1 the rows are one, the cache unragged (a
+slice write), and a new row's entries are causal among themselves, so no mask is built for them (the model's causal
+one): an optimisation inside the one path, not a second path.
 
 `CompiledTree` runs `grow` under model.compile as one compiled region: the same `grow` function the eager path calls,
 with `laid_out=True` (its forwards inside the region, specbench/decode/compiled.py `decode`).
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from specbench.decode.compiled import STATIC_BLOCK, Region, compile_region, pad_rows, step_rows
-from specbench.decode.kvcache import PreallocatedCache, PreallocatedLayer, StaticCache
+from specbench.decode.kvcache import PreallocatedCache, StaticCache
 from specbench.decode.rows import RowCounts
 from specbench.decode.tree import batch_tree_mask
 from specbench.decode.types import DraftTree, TargetState
@@ -58,7 +58,7 @@ Grow = Callable[[torch.Tensor, At, bool], GrownTree]
 class DraftCache:
     """A drafter's cache (`cache`, what its forwards take) and each row's verified entries in it (`verified`)."""
 
-    def __init__(self, cache: PreallocatedCache | PreallocatedLayer, rows: int, device: torch.device | str):
+    def __init__(self, cache: PreallocatedCache, rows: int, device: torch.device | str):
         self.cache = cache
         self.verified = RowCounts.zeros(rows, device)  # [A] entries of verified tokens, per row
 
@@ -67,14 +67,8 @@ class DraftCache:
         """For a drafter's HF decoder of `config` (EAGLE's head, sd's draft model): a preallocated cache of the state's
         rows, sized to its positions; model.compile with `decoder` named: that compiled decoder's static cache
         (TargetModel.drafter_cache)."""
-        cache = target.drafter_cache(config, state.cache_positions, decoder, ragged=True, rows=state.rows)
+        cache = target.drafter_cache(config, state.cache_positions, decoder, rows=state.rows)
         return cls(cache, state.rows, state.tokens.device)
-
-    @classmethod
-    def for_layer(cls, target, state: TargetState) -> "DraftCache":
-        """One attention layer's keys and values outside an HF decoder (EAGLE-3's mid-layer, Beagle's and MoA's
-        layers): a PreallocatedLayer (TargetModel.drafter_kv)."""
-        return cls(target.drafter_kv(state.cache_positions, ragged=True), state.rows, state.tokens.device)
 
     @property
     def static(self) -> bool:
@@ -168,11 +162,7 @@ class DraftCache:
     def keep(self, leave: "Leave") -> None:
         """Finished rows left the batch: the rows kept, in their new order (specbench/decode/rows.py)."""
         self.verified = self.verified.keep(leave)
-        if isinstance(self.cache, PreallocatedLayer):
-            self.cache.move_rows(leave.src, leave.dst, len(leave.index))
-            self.cache.set_row_lengths(self.verified)
-        else:
-            self.cache.leave(leave.src, leave.dst, len(leave.index), self.verified)
+        self.cache.leave(leave.src, leave.dst, len(leave.index), self.verified)
 
 
 class CompiledTree:
