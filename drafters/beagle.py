@@ -10,8 +10,9 @@ onto the target's already-normalised state.
 
 Decoding. The drafter's KV cache holds K_j, V_j of true states; within an SD iteration each drafted node's predicted
 state is appended ("concate", the paper's best configuration; `concat: false` keeps only true states) and seen by its
-descendants through the tree mask; after verification the drafted entries are cropped and the true states of the
-accepted tokens appended. Tree: EAGLE-2's dynamic tree (depth 1+6, top-k 10, 60 tokens, conf/tree/dynamic.yaml).
+descendants through the tree mask; after verification the drafted entries are dropped and the true states of the
+accepted tokens appended (specbench/decode/draftcache.py: one row per batch row at every B). Tree: EAGLE-2's dynamic
+tree (depth 1+6, top-k 10, 60 tokens, conf/tree/dynamic.yaml).
 
 Two-Stage Block-Attention Training (Sec. 4.2, App. A.2-A.3). Windows of k (=5) positions start at w0 = eps + w k,
 eps ~ U[0, k) per batch. Query at window position n+i (i = 1..k) keeps its token but sees states only up to n.
@@ -48,11 +49,12 @@ import torch.nn.functional as F
 from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import CrossAttentionBlock, layers_config
-from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
-from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
-from specbench.decode.kvcache import StaticCache
+from drafters.trees import Grown, GrowingTree, Level, make_tree
+from specbench.decode.compiled import Region
+from specbench.decode.draftcache import CompiledTree, DraftCache
+from specbench.decode.kvcache import PreallocatedLayer
 from specbench.decode.rows import RowCounts
-from specbench.decode.tree import batch_tree_mask, in_block, up_to_start, visible
+from specbench.decode.tree import in_block, up_to_start, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
@@ -111,15 +113,11 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.concat = concat
         self.target = target
-        self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
-        self.kv = None  # K, V [A, nkv, L, dh]: true states, then (while drafting) predicted ones
-        self.verified = RowCounts((0,))  # true states in the cache, per batch row
-        self.ragged = False  # a batch's ragged rows: the K/V layer in ragged rows
-        # (true states not yet in the cache [A, n, H], each row's count of them: host [A] and device [A])
-        self.pending: tuple[torch.Tensor, list[int] | None, torch.Tensor | None] | None = None
-        self.static: StaticCache | None = None  # model.compile: the static cache whose one layer is `kv`
-        self.region = CompiledTree()  # and the tree's growth, compiled
-        self._appends = Region(self._append_at)  # and the append of new true states (_propose_static)
+        self.cache: DraftCache | None = None  # the block's K, V, per generation (prefill_rows)
+        self.pending: tuple[torch.Tensor, RowCounts] | None = None  # (true states not yet in the cache [A, n, H],
+        #                                                             each row's count of them)
+        self.region = CompiledTree()  # model.compile: the tree's growth, compiled
+        self._appends = Region(self._append_at)  # and the append of new true states
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
@@ -195,105 +193,62 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         return torch.stack(out)
 
     # ---- decoding side -------------------------------------------------------------------------------------------
-    # Every row of a batch drafts in the same forwards (the rows protocol): the block's K/V layer holds one row per
-    # batch row (ragged: each row's verified states, then its drafted ones, behind its own length), a level of the tree
-    # is one forward over [A, n] nodes, and a lone row (batch 1) keeps the target's cache kind and a boolean mask.
-    # model.compile: the K/V layer is a one-layer static cache of the batch's bucket instead; the append of the new
-    # true states and the whole tree each run as a compiled region (drafters/trees.py CompiledTree), rows ragged.
+    # Every row of a batch, batch 1 included, drafts in the same forwards (the rows protocol): the block's K/V layer
+    # (specbench/decode/draftcache.py; model.compile: a one-layer static cache of the batch's bucket) holds one row per
+    # batch row (its verified states, then its drafted ones, behind its own length) and a level of the tree is one
+    # forward over [A, n] nodes. model.compile: the append of the new true states (`_appends`) and the whole tree
+    # (CompiledTree) are compiled regions of the same code.
     def prefill_rows(self, state: TargetState) -> None:
-        self.ragged = state.lengths is not None
-        self.kv = self.new_kv(state.cache_positions, ragged=self.ragged)
-        self.static = None
-        if self.target.compiled is not None:
-            self.static = self.target.drafter_cache(layers_config(self.target), state.cache_positions, self.block,
-                                                    ragged=True, rows=state.rows)
-            self.kv = self.static.layers[0]
-        self.verified = RowCounts.zeros(state.rows, self.device)  # true states in the cache, per row
+        self.cache = DraftCache.for_decoder(self.target, layers_config(self.target), state, self.block)
         # true states of positions 0 .. L-1 (row b's first fresh[b]); the root t_L has none yet
         self.pending = (state.hidden, state.fresh)
 
+    @property
+    def kv(self) -> PreallocatedLayer:
+        """The block's K/V layer: true states, then (while drafting) predicted ones."""
+        return self.cache.cache.layers[0]
+
     def _append(self, states: torch.Tensor, pos: torch.Tensor) -> None:
-        k, v = self.block.keys(states.to(self.block.q_proj.weight.dtype), pos)
-        if self.static is not None:
-            self.kv.write(k, v)  # (no read of the window: a region that only appends keeps one graph for every width)
-        else:
-            self.kv.update(k, v)
+        """states [A, Q, H] at positions pos [A, Q]: their K, V written behind each row's entries (the static cache's:
+        at its offsets; no read of the window, so a region that only appends keeps one graph for every width)."""
+        self.kv.write(*self.block.keys(states.to(self.block.q_proj.weight.dtype), pos))
+
+    def _append_at(self, prefixes: torch.Tensor, states: torch.Tensor) -> None:
+        """DraftCache.append's step: states [P, Q, H] behind each row's `prefixes` [P] verified ones."""
+        self._append(states, prefixes[:, None] + torch.arange(states.shape[1], device=states.device))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h.to(self.lm_head.weight.dtype))
 
-    def _allowed(self, seen: torch.Tensor) -> torch.Tensor:
-        """Rows seeing each row's verified states and the drafted slots seen [A, R, S] behind them."""
-        if not self.ragged:
-            return visible(seen[0], self.verified[0])  # [1, 1, R, V+S] bool
-        width = self.verified.max() + seen.shape[-1]
-        return batch_tree_mask(seen, self.verified.dev, width, self.block.q_proj.weight.dtype)  # [A, 1, R, W]
-
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
         root_tok = state.tokens.gather(1, state.num_tokens_rows()[:, None] - 1)  # [A, 1] the last verified token
-        if self.static is not None:
-            return self._propose_static(root_tok)
         states, fresh = self.pending
-        a, n = states.shape[:2]
-        dev = self.device
-        if self.ragged:
-            self.kv.set_row_lengths(self.verified)
-        self._append(states, self.verified.dev[:, None] + torch.arange(n, device=dev))
-        if self.ragged:  # (a row's padding states: stale)
-            self.verified = self.verified + fresh
-            self.kv.set_row_lengths(self.verified)
-        else:
-            self.verified = self.verified + n
-        root_pos = self.verified.dev  # [A] each root token's position
+        self.cache.append(self._append_at, fresh, states, region=self._appends)
+        vocab = self.lm_head.weight.shape[0]
+        # the drafted entries ("concate"): the root's and one per node fed to `expand`; none without
+        entries = 1 + self.policy.expanded(vocab) if self.concat else 0
+        return self.cache.grow(self._grow, root_tok, self.region, self.policy, vocab, entries)
+
+    def _grow(self, root_tok: torch.Tensor, at, laid_out: bool) -> Grown:
+        """The tree policy grown from the root tokens [A, 1]; each level runs the block on its nodes, each seeing its
+        row's verified states and its drafted ancestors' slots, at the root's position + depth, its predicted states
+        appended ("concate"). A level's rows are written behind the S slots they may see and a query never sees its
+        own predicted state (Beagle's mask is strict), so `at` is given S + m columns, the last m unseen (and cut from
+        the mask where the keys end before them); the root, at the verified count, is `at`'s depth 1. laid_out:
+        inside CompiledTree's region (the keys: the static window's). Tensor ops only."""
+        a, dev, dtype = root_tok.shape[0], root_tok.device, self.block.q_proj.weight.dtype
+        # the predicted states' drafted cache entries ("concate" only): slot 0 is the root's, seen by every node
+        book = GrowingTree(self.policy.max_nodes, dev, root_slot=True, trees=a) if self.concat else None
 
         def level(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
-            p = (root_pos + depth)[:, None].expand(a, tokens.shape[1])
-            h = self.block(self.embed(tokens).to(self.block.q_proj.weight.dtype), p, self._allowed(seen),
-                           kv=(self.kv.keys, self.kv.values))
+            p, mask = at(torch.cat([seen, seen.new_zeros(*tokens.shape, tokens.shape[1])], -1), depth + 1, dtype)
+            kv = self.kv.window_kv() if laid_out else (self.kv.keys, self.kv.values)
+            h = self.block(self.embed(tokens).to(dtype), p, mask[..., : kv[0].shape[-2]], kv=kv)
             if self.concat:
                 self._append(h, p)
             return h
 
-        grown = self._grow(root_tok, level, vector=not self.ragged)
-        if self.ragged:  # drop drafted states
-            self.kv.set_row_lengths(self.verified)
-        else:
-            self.kv.crop(self.verified[0] - self.kv.get_seq_length())
-        return grown.draft()
-
-    def _propose_static(self, root_tok: torch.Tensor) -> DraftTree:
-        """model.compile: the new true states' K, V written on the static cache's whole bucket of rows (compiled once
-        the cache holds the prompt's: their count padded to a bucket, the padding states written past each row's own,
-        stale), then the tree as one compiled region (CompiledTree). Rows ragged at any batch."""
-        states, fresh = self.pending
-        static, (a, n) = self.static, states.shape[:2]
-        if not self.ragged:  # one row: every state is fresh
-            fresh = RowCounts((n,), torch.full((1,), n, dtype=torch.long, device=self.device))
-        self.kv.set_row_lengths(self.verified)
-        prefill = static.get_seq_length() == 0  # (the prompt's states: eager)
-        q = step_rows(n, prefill)
-        static.begin(q, STATIC_BLOCK)  # each row's states behind its own verified ones
-        self._appends(static, prefill, pad_rows(states, static.batch, q), pad_rows(self.verified.dev, static.batch))
-        self.verified = self.verified + fresh
-        self.kv.set_row_lengths(self.verified)
-        # the drafted entries ("concate"): the root's and one per node fed to `expand`; none without
-        entries = 1 + self.policy.expanded(self.lm_head.weight.shape[0]) if self.concat else 0
-        return self.region.grow(static, self.policy, self.lm_head.weight.shape[0], self._grow_laid_out, root_tok,
-                                self.verified.dev, entries)
-
-    def _append_at(self, states: torch.Tensor, prefixes: torch.Tensor) -> None:
-        """states [P, Q, H] behind each row's `prefixes` [P] verified ones, written at the static cache's offsets."""
-        self._append(states, prefixes[:, None] + torch.arange(states.shape[1], device=states.device))
-
-    def _grow(self, root_tok: torch.Tensor, level, vector: bool = False) -> Grown:
-        """The tree policy grown from the root tokens [A, 1]; `level(tokens [A, m], seen [A, m, S], depth)` runs the
-        block on a level's nodes, each seeing its row's verified states and the drafted slots `seen`, at the root's
-        position + depth -> predicted states [A, m, H] (appended to the cache in "concate" mode). vector: batch 1's
-        logits through the LM head as a vector. Tensor ops only."""
-        a, dev = root_tok.shape[0], root_tok.device
-        # the predicted states' drafted cache entries ("concate" only): slot 0 is the root's, seen by every node
-        book = GrowingTree(self.policy.max_nodes, dev, root_slot=True, trees=a) if self.concat else None
         h_root = level(root_tok, torch.zeros(a, 1, 0, dtype=torch.bool, device=dev), 0)  # [A, 1, H]
 
         def expand(lv: Level) -> torch.Tensor:
@@ -303,30 +258,12 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
             h = level(lv.tokens, seen, lv.depth)
             if self.concat:
                 book.add(lv.nodes, lv.parents)  # their states were appended, in node order
-            return self._logits(h[0])[None] if vector else self._logits(h)
+            return self._logits(h)
 
-        root_logits = self._logits(h_root[0, 0])[None] if vector else self._logits(h_root[:, 0])
-        return self.policy.grow_rows(root_logits, expand)
-
-    def _grow_laid_out(self, root_tok: torch.Tensor, at) -> Grown:
-        """CompiledTree's grow: root_tok [P, 1] -> the policy's trees, inside its region. A level's rows are written
-        behind the S slots they may see (a query never sees its own predicted state: Beagle's mask is strict), so
-        `at` is given S + m columns, the last m unseen; the root at the verified count is CompiledTree's depth 1."""
-        dtype = self.block.q_proj.weight.dtype
-
-        def level(tokens: torch.Tensor, seen: torch.Tensor, depth: int) -> torch.Tensor:
-            p, mask = at(torch.cat([seen, seen.new_zeros(*tokens.shape, tokens.shape[1])], -1), depth + 1, dtype)
-            h = self.block(self.embed(tokens).to(dtype), p, mask, kv=self.kv.window_kv())
-            if self.concat:
-                self._append(h, p)
-            return h
-
-        return self._grow(root_tok, level)
+        return self.policy.grow_rows(self._logits(h_root[:, 0]), expand)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         self.pending = (state.hidden, state.fresh)  # true states of the root and the accepted path
 
     def keep_rows(self, leave) -> None:
-        self.verified = self.verified.keep(leave)
-        self.kv.move_rows(leave.src, leave.dst, len(leave.index))
-        self.kv.set_row_lengths(self.verified)
+        self.cache.keep(leave)

@@ -16,11 +16,12 @@ decoder's own `rms_norm_eps` (a module option, recorded when set, as a published
 target's, which the target's config records). The concatenation order is
 (embedding, feature), as theirs.
 
-The head keeps its own KV cache over verified pairs (f_i, t_{i+1}); drafted entries are appended while a tree grows
-(tree attention over the draft's own cache) and cropped off before verification; after verification the new pairs
-(true features of the root and the accepted path, with the next tokens) are appended at the next propose.
+The head keeps its own KV cache over verified pairs (f_i, t_{i+1}) (specbench/decode/draftcache.py, one row per batch
+row at every B); drafted entries are appended while a tree grows (tree attention over the draft's own cache) and
+dropped before verification; after verification the new pairs (true features of the root and the accepted path, with
+the next tokens) are appended at the next propose.
 With model.compile the head runs on a static cache, and the whole tree after the root (every level's head forward,
-LM head, top-k and the policy's bookkeeping) is one compiled region (drafters/trees.py CompiledTree, issue 48).
+LM head, top-k and the policy's bookkeeping) is one compiled region (specbench/decode/draftcache.py CompiledTree, issue 48).
 
 Draft vocabulary (`+drafter.module.draft_vocab=N`, eagle / eagle2 / hass / coral; not EAGLE's, EAGLE-3's idea applied
 at decoding time): drafted rows are scored by the N rows of the target's LM head for the N most frequent answer
@@ -53,13 +54,12 @@ from transformers import DynamicCache
 from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
-from drafters.trees import CompiledTree, GrowingTree, Grown, Level, make_tree
+from drafters.trees import GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import decode
-from specbench.decode.kvcache import StaticCache
+from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.decode.rows import RowCounts
 from specbench.errors import SpecbenchError
-from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 from specbench.decode.vocab import COUNTS_FILE, PrunedLMHead, pruned_lm_head
 
@@ -192,10 +192,9 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
         self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.vocab = self.pruned_head(target, checkpoint, module or {})
-        self.cache: DynamicCache | None = None
-        self.verified = RowCounts((0,))  # pairs of verified tokens in the head's cache, per batch row
-        self.ragged = False  # a batch's ragged rows (prefill_rows with several): the head's cache in ragged rows
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (features [B,n,H], next tokens [B,n])
+        self.cache: DraftCache | None = None  # the head's cache, per generation (prefill_rows)
+        self.pending: tuple[torch.Tensor, torch.Tensor, RowCounts] | None = None  # (features [A,n,H], next tokens
+        #                                                                             [A,n], each row's count)
         self.region = CompiledTree()  # model.compile: the tree's growth, compiled
 
     @classmethod
@@ -268,18 +267,13 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
         return torch.stack(out)
 
     # ---- decoding side -------------------------------------------------------------------------------------------
-    # Every row of a batch drafts in the same forwards (the rows protocol): the head's cache holds one row per batch
-    # row (ragged: each row's verified pairs, then its drafted entries, behind its own length), a level of the tree is
-    # one forward over [A, n] nodes, and a lone row (batch 1) keeps the target's cache kind and the causal mask.
+    # Every row of a batch, batch 1 included, drafts in the same forwards (the rows protocol): the head's cache
+    # (specbench/decode/draftcache.py) holds one row per batch row (its verified pairs, then its drafted entries,
+    # behind its own length) and a level of the tree is one forward over [A, n] nodes.
     def prefill_rows(self, state: TargetState) -> None:
-        self.ragged = state.lengths is not None
-        config = self.head.body.config
-        self.cache = self.target.drafter_cache(config, state.cache_positions, self.head.body, ragged=self.ragged,
-                                               rows=state.rows)
-        # pairs of verified tokens in the head's cache, per row (a lone row: on the host only)
-        self.verified = RowCounts.zeros(state.rows, self.device) if self.ragged else RowCounts((0,) * state.rows)
+        self.cache = DraftCache.for_decoder(self.target, self.head.body.config, state, self.head.body)
         # pairs (f_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]
-        self.pending = (state.hidden, state.fresh_tokens() if self.ragged else state.tokens[:, 1:], state.fresh)
+        self.pending = (state.hidden, state.fresh_tokens(), state.fresh)
 
     def _logits(self, f: torch.Tensor) -> torch.Tensor:
         if self.vocab is not None:  # module.draft_vocab: the LM head's N frequent rows only
@@ -289,53 +283,20 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
         feats, toks, fresh = self.pending
-        a, n = toks.shape
-        dev = self.device
-        if not self.ragged:
-            v = self.verified[0]
-            pos = torch.arange(v, v + n, device=dev)[None]
-            out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos)
-            root_f = out[:, -1]  # [1, H]
-            self.verified = self.verified + n
-        else:  # row b's pairs at positions verified[b] + j, j < fresh[b], causal among themselves
-            verified = self.verified.dev
-            self.cache.set_row_lengths(self.verified)
-            pos = verified[:, None] + torch.arange(n, device=dev)
-            causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(a, n, n)
-            mask = batch_tree_mask(causal, verified, self.verified.max() + n, feats.dtype)
-            out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache, position_ids=pos,
-                            attention_mask=mask)  # [A, n, H]
-            root_f = out.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [A, H]
-            self.verified = self.verified + fresh
-            self.cache.set_row_lengths(self.verified)  # (a row's padding pairs: stale)
-        if isinstance(self.cache, StaticCache) and self.traceable:  # model.compile: the tree one compiled region
-            prefixes = self.verified.dev if self.ragged else torch.full((a,), self.verified[0], device=dev)
-            return self.region.grow(self.cache, self.policy, self.lm_head.weight.shape[0], self._grow_laid_out,
-                                    root_f, prefixes)
-        if not self.ragged:
-            root_logits = self._logits(root_f[0])[None]  # (a vector through the LM head, as ever at batch 1)
-            v = self.verified[0]
+        # row b's new pairs at positions verified[b] + j, j < fresh[b], causal among themselves
+        pos, mask = self.cache.extend(fresh, toks.shape[1], feats.dtype)
+        out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache.cache, position_ids=pos,
+                        attention_mask=mask)  # [A, n, H]
+        root_f = out.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [A, H]
+        self.cache.commit(fresh)
+        # model.compile: the tree one compiled region (a drafter whose logits read nothing on the host)
+        return self.cache.grow(self._grow, root_f, self.region if self.traceable else None, self.policy,
+                               self.lm_head.weight.shape[0])
 
-            def at(seen, depth, dtype):
-                return (torch.full((1, seen.shape[1]), v + depth - 1, device=dev),
-                        tree_attention_mask(seen[0], v, dtype))
-        else:
-            root_logits = self._logits(root_f)
-
-            def at(seen, depth, dtype):
-                return ((self.verified.dev + depth - 1)[:, None].expand(a, seen.shape[1]),
-                        batch_tree_mask(seen, self.verified.dev, self.verified.max() + seen.shape[-1], dtype))
-        grown = self._grow(root_f, root_logits, at)
-        if self.ragged:  # drop the drafted entries
-            self.cache.set_row_lengths(self.verified)
-        else:
-            self.cache.crop(self.verified[0] - self.cache.get_seq_length())
-        return grown.draft()
-
-    def _grow(self, root_f: torch.Tensor, root_logits: torch.Tensor, at, laid_out: bool = False) -> Grown:
-        """The tree policy grown from the root's feature [A, H] and logits [A, V]; each level one head forward over
-        its [A, m] nodes in the head's cache, at the positions and mask `at(seen [A, m, S], depth, dtype)` gives
-        (laid_out: inside CompiledTree's region, which sets the cache's write offsets there). Tensor ops only."""
+    def _grow(self, root_f: torch.Tensor, at, laid_out: bool) -> Grown:
+        """The tree policy grown from the root's feature [A, H]; each level one head forward over its [A, m] nodes in
+        the head's cache, at the positions and mask `at(seen [A, m, S], depth, dtype)` gives (laid_out: inside
+        CompiledTree's region, which sets the cache's write offsets there). Tensor ops only."""
         a, h = root_f.shape
         book = GrowingTree(self.policy.max_nodes, root_f.device, trees=a)
         feats = root_f.new_empty(a, self.policy.max_nodes + 1, h)  # [A, 1 + nodes, H] row v+1: node v's
@@ -346,22 +307,16 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
             f_in = feats.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, h))  # [A, m, H]
             seen = book.add(level.nodes, level.parents)  # [A, m, S]
             pos, mask = at(seen, level.depth, f_in.dtype)
-            f = self.head(self.embed(level.tokens), f_in, self.cache, position_ids=pos, attention_mask=mask,
+            f = self.head(self.embed(level.tokens), f_in, self.cache.cache, position_ids=pos, attention_mask=mask,
                           laid_out=laid_out)  # [A, m, H]
             feats.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, h), f)
-            return self._logits(f[0])[None] if not (laid_out or self.ragged) else self._logits(f)  # (batch 1: a vector)
+            return self._logits(f)
 
-        return self.policy.grow_rows(root_logits, expand)
-
-    def _grow_laid_out(self, root_f: torch.Tensor, at) -> Grown:
-        """CompiledTree's grow: the root's logits and the tree, inside its region."""
-        return self._grow(root_f, self._logits(root_f), at, laid_out=True)
+        return self.policy.grow_rows(self._logits(root_f), expand)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})
-        n = state.hidden.shape[1]
-        self.pending = (state.hidden, state.fresh_tokens() if self.ragged else state.tokens[:, -n:], state.fresh)
+        self.pending = (state.hidden, state.fresh_tokens(), state.fresh)
 
     def keep_rows(self, leave) -> None:
-        self.verified = self.verified.keep(leave)
-        self.cache.leave(leave.src, leave.dst, len(leave.index), self.verified)
+        self.cache.keep(leave)

@@ -42,7 +42,7 @@ for their data: their 5e-5 peak on the embedded budget validates at sim tau 1.24
 budget's 3e-4 (docs/training.md).
 
 With model.compile the head's K, V live on a static cache of the batch's bucket; its step over newly verified pairs and
-the whole tree's growth each run as a compiled region (drafters/trees.py CompiledTree; issue 48).
+the whole tree's growth each run as a compiled region (specbench/decode/draftcache.py CompiledTree; issue 48).
 """
 from __future__ import annotations
 
@@ -57,14 +57,12 @@ from safetensors.torch import save_file
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from drafters.trees import CompiledTree, GrowingTree, Grown, Level, make_tree
+from drafters.trees import GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
-from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
+from specbench.decode.compiled import Region
+from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.decode.drafter import LAYERS, RowsDrafter, TrainableDrafter
-from specbench.decode.kvcache import StaticCache
-from specbench.decode.rows import RowCounts
 from specbench.errors import SpecbenchError
-from specbench.decode.tree import batch_tree_mask, visible
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 from specbench.decode.vocab import covering_size, frequent_ids
 
@@ -168,8 +166,8 @@ class Eagle3Head(nn.Module):
 
     def step(self, emb: torch.Tensor, h: torch.Tensor, pos: torch.Tensor, past: CacheLayerMixin,
              allowed: torch.Tensor) -> torch.Tensor:
-        """Decoding: rows (emb, h) [1, Q, H] at pos [1, Q] over the cached keys of `past` (S entries) and their own,
-        which are appended to it; allowed [1, 1, Q, S+Q] bool -> outputs [1, Q, H]."""
+        """Decoding: rows (emb, h) [B, Q, H] at pos [B, Q] over the cached keys of `past` (S entries) and their own,
+        which are appended to it; allowed [B, 1, Q, S+Q] (bool, or additive) -> outputs [B, Q, H]."""
         q, k, v = self.midlayer.qkv(emb, h, pos)
         keys, vals = past.update(k, v)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
@@ -394,13 +392,10 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         self.hidden_layers = self.head.layers
         self.target, self.embed, self.device = target, target.decoder.embed_tokens, target.device
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
-        self.past: CacheLayerMixin | None = None  # the head's K, V over verified pairs (prefill makes it)
-        self.pending: tuple | None = None  # (fused features [B,n,3H], next tokens [B,n], fresh)
-        self.verified = RowCounts((0,))  # pairs of verified tokens in `past`, per batch row
-        self.ragged = False  # a batch's ragged rows (prefill_rows with several)
-        self.static: StaticCache | None = None  # model.compile: the static cache whose one layer is `past`
-        self.region = CompiledTree()  # and the tree's growth, compiled
-        self._pairs = Region(self._pairs_step)  # and the step over newly verified pairs (_propose_static)
+        self.cache: DraftCache | None = None  # the head's K, V over verified pairs, per generation (prefill_rows)
+        self.pending: tuple | None = None  # (fused features [A,n,3H], next tokens [A,n], fresh)
+        self.region = CompiledTree()  # model.compile: the tree's growth, compiled
+        self._pairs = Region(self._pairs_step)  # and the step over newly verified pairs
 
     def save_for_serving(self, out: Path, fmt: str, verifier: str) -> Path:
         """This head for SGLang or vLLM (save_for_serving); a chain of the tree's depth for vLLM's proposer."""
@@ -494,99 +489,40 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         return torch.stack(out)
 
     # ---- decoding -------------------------------------------------------------------------------------------------
-    # Every row of a batch drafts in the same forwards (the rows protocol): the head's K, V in ragged rows (each row's
-    # verified pairs, then its drafted entries, behind its own length), one step per tree level for all rows; a lone row
-    # (batch 1) keeps model.cache's kind of layer and boolean masks.
+    # Every row of a batch, batch 1 included, drafts in the same forwards (the rows protocol): the head's K, V
+    # (specbench/decode/draftcache.py: one layer; model.compile: a static cache of the batch's bucket) in ragged rows,
+    # each row's verified pairs, then its drafted entries, behind its own length; one step per tree level for all rows.
+    # model.compile: the step over the new verified pairs (`_pairs`) and the tree (CompiledTree) are compiled regions
+    # of the same code.
     def prefill_rows(self, state: TargetState) -> None:
-        self.ragged = state.lengths is not None
-        # the head's K, V over verified pairs, and a tree's drafted rows while it grows (model.cache's kind of layer)
-        self.past = self.target.drafter_kv(state.cache_positions, ragged=self.ragged)
-        # model.compile: a static cache of the batch's bucket instead (its one layer is `past`), the tree's growth one
-        # compiled region over it (CompiledTree); every forward spans the bucket's rows, ragged
-        self.static = None
-        if self.target.compiled is not None:
-            self.static = self.target.drafter_cache(self.head.config, state.cache_positions, self.head.midlayer,
-                                                    ragged=True, rows=state.rows)
-            self.past = self.static.layers[0]
-        self.verified = RowCounts.zeros(state.rows, self.device)
+        self.cache = DraftCache.for_decoder(self.target, self.head.config, state, self.head.midlayer)
         # pairs (features_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]
-        self.pending = (state.layers, state.fresh_tokens() if self.ragged else state.tokens[:, 1:], state.fresh)
+        self.pending = (state.layers, state.fresh_tokens(), state.fresh)
 
-    def _mask(self, seen: torch.Tensor) -> torch.Tensor:
-        """Rows seeing each row's verified pairs and the new slots seen [A, Q, S] behind them."""
-        if not self.ragged:
-            return visible(seen[0], self.verified[0])
-        width = self.verified.max() + seen.shape[-1]
-        return batch_tree_mask(seen, self.verified.dev, width, self.head.fc.weight.dtype)
+    @property
+    def past(self) -> CacheLayerMixin:
+        """The head's K, V layer."""
+        return self.cache.cache.layers[0]
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
-        if self.static is not None:
-            return self._propose_static()
         feats, toks, fresh = self.pending
-        a, n = toks.shape
-        dev = self.device
-        if self.ragged:
-            self.past.set_row_lengths(self.verified)
-        causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril().expand(a, n, n)
-        pos = self.verified.dev[:, None] + torch.arange(n, device=dev)
-        h = self.head.step(self.embed(toks), self.head.fc(feats.to(self.head.fc.weight.dtype)), pos, self.past,
-                           self._mask(causal))
-        if not self.ragged:
-            root_h = h[:, -1]  # [1, H]
-            self.verified = self.verified + n
-            root_logits = self.head.target_logits(root_h[0])[None]  # (a vector through the head, as at batch 1)
-        else:
-            root_h = h.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
-            self.verified = self.verified + fresh
-            self.past.set_row_lengths(self.verified)  # (a row's padding pairs: stale)
-            root_logits = self.head.target_logits(root_h)
-        pos0 = self.verified.dev  # (the root's position + 1, per row)
+        h = self.cache.append(self._pairs_step, fresh, toks, feats, region=self._pairs)  # [A, n, H]
+        root_h = h.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
+        return self.cache.grow(self._grow, root_h, self.region, self.policy, self.head.vocab_size)
 
-        def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):
-            return (pos0 + depth - 1)[:, None].expand(a, seen.shape[1]), self._mask(seen)
-
-        grown = self._grow(root_h, root_logits, at, vector=not self.ragged)
-        if self.ragged:  # drop drafted entries
-            self.past.set_row_lengths(self.verified)
-        else:
-            self.past.crop(self.verified[0] - self.past.get_seq_length())
-        return grown.draft()
-
-    def _propose_static(self) -> DraftTree:
-        """model.compile: the step over the new verified pairs on the static cache's whole bucket of rows (compiled
-        once the cache holds the prompt: their count padded to a bucket, the padding pairs written past each row's
-        own, stale), then the tree as one compiled region (CompiledTree). Rows ragged at any batch."""
-        feats, toks, fresh = self.pending
-        static, (a, n) = self.static, toks.shape
-        if not self.ragged:  # one row: every pair is fresh
-            fresh = RowCounts((n,), torch.full((1,), n, device=self.device))
-        self.past.set_row_lengths(self.verified)
-        prefill = static.get_seq_length() == 0  # (the prompt's pairs: eager)
-        q = step_rows(n, prefill)
-        static.begin(q, STATIC_BLOCK)  # each row's pairs behind its own verified ones
-        h = self._pairs(static, prefill, pad_rows(toks, static.batch, q), pad_rows(feats, static.batch, q),
-                        pad_rows(self.verified.dev, static.batch))  # (the rows past `a`: padding)
-        root_h = h[:a].gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
-        self.verified = self.verified + fresh
-        self.past.set_row_lengths(self.verified)
-        return self.region.grow(static, self.policy, self.head.vocab_size, self._grow_laid_out, root_h,
-                                self.verified.dev)
-
-    def _pairs_step(self, ids: torch.Tensor, feats: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
+    def _pairs_step(self, prefixes: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """ids [P, Q], fused features [P, Q, 3H] behind each row's `prefixes` [P] verified pairs, causal among
-        themselves, written at the static cache's offsets -> the head's outputs [P, Q, H]."""
-        p, q = ids.shape
+        themselves -> the head's outputs [P, Q, H] (their K, V written into `past`)."""
         dtype = self.head.fc.weight.dtype
-        causal = torch.ones(q, q, dtype=torch.bool, device=ids.device).tril().expand(p, q, q)
-        pos = prefixes[:, None] + torch.arange(q, device=ids.device)
-        return self.head.step(self.embed(ids), self.head.fc(feats.to(dtype)), pos, self.past,
-                              batch_tree_mask(causal, prefixes, self.static.window.width, dtype))
+        pos, mask = self.cache.causal(prefixes, ids.shape[1], dtype)
+        return self.head.step(self.embed(ids), self.head.fc(feats.to(dtype)), pos, self.past, mask)
 
-    def _grow(self, root_h: torch.Tensor, root_logits: torch.Tensor, at, vector: bool = False) -> Grown:
-        """The tree policy grown from the root's output [A, H] and logits [A, V]; each level one step of the head over
-        `past`, at the positions and mask `at(seen [A, m, S], depth, dtype)` gives (inside CompiledTree's region, which
-        also sets the static cache's write offsets). vector: batch 1's logits through the head as a vector."""
+    def _grow(self, root_h: torch.Tensor, at, laid_out: bool) -> Grown:
+        """The tree policy grown from the root's output [A, H]; each level one step of the head over `past`, at the
+        positions and mask `at(seen [A, m, S], depth, dtype)` gives (laid_out: inside CompiledTree's region, which
+        also sets the static cache's write offsets; the head writes through `past` either way)."""
+        del laid_out
         a = root_h.shape[0]
         book = GrowingTree(self.policy.max_nodes, root_h.device, trees=a)
         hs = root_h.new_empty(a, self.policy.max_nodes + 1, root_h.shape[-1])  # [A, 1 + nodes, H] row v+1: node v's
@@ -600,20 +536,13 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
             # the level's K, V appended behind the verified pairs and the earlier levels
             out = self.head.step(self.embed(level.tokens), h_in, pos, self.past, mask)
             hs.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, d), out)
-            return self.head.target_logits(out[0])[None] if vector else self.head.target_logits(out)
+            return self.head.target_logits(out)
 
-        return self.policy.grow_rows(root_logits, expand)
-
-    def _grow_laid_out(self, root_h: torch.Tensor, at) -> Grown:
-        """CompiledTree's grow (drafters/trees.py): root_h [P, H] -> the policy's trees, inside its region."""
-        return self._grow(root_h, self.head.target_logits(root_h), at)
+        return self.policy.grow_rows(self.head.target_logits(root_h), expand)
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        n = state.layers.shape[1]  # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)
-        self.pending = (state.layers, state.fresh_tokens() if self.ragged else state.tokens[:, -n:], state.fresh)
+        # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)
+        self.pending = (state.layers, state.fresh_tokens(), state.fresh)
 
     def keep_rows(self, leave) -> None:
-        self.verified = self.verified.keep(leave)
-        self.past.move_rows(leave.src, leave.dst, len(leave.index))
-        self.past.set_row_lengths(self.verified)
-
+        self.cache.keep(leave)

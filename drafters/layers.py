@@ -8,8 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specbench.errors import SpecbenchError
-
 
 def layers_config(target, layers: int = 1, **overrides):
     """The target's config (with `overrides`) for `layers` decoder layers of its first layer's kind: what a one-layer
@@ -92,15 +90,10 @@ def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torc
     [B, nkv, P, dh] and the rows' own; allowed [B, 1, Q, P+Q] bool -> (out [B, Q, H], K, V of the rows), on x's
     device. Under a device map the layer may sit on another GPU: it computes there (its inputs go to it).
     into: a cache layer (ragged rows) that the rows' K, V are written into (each row behind its own entries) and whose
-    whole buffer is attended over, instead of past_k / past_v with the rows' own appended; allowed then spans it."""
+    whole buffer is attended over, instead of past_k / past_v with the rows' own appended; allowed then spans it. It
+    stays on x's device (the drafter's): the rows' K, V go to it, the whole comes back to the layer's."""
     home, there = x.device, layer.self_attn.q_proj.weight.device
-    if there != home:
-        if into is not None:
-            raise SpecbenchError("a target layer on another device than its drafter's cache rows (a device map) "
-                                 "drafts one row at a time: decoding.batch_size=1")
-        go = lambda t: t.to(there)  # noqa: E731
-        out, k, v = target_layer(layer, rotary, go(x), go(pos), go(past_k), go(past_v), go(allowed))
-        return out.to(home), k.to(home), v.to(home)
+    x, pos, allowed = x.to(there), pos.to(there), allowed.to(there)  # (no-ops on one device)
     attn = layer.self_attn
     b, n, _ = x.shape
     dh = attn.head_dim
@@ -111,10 +104,11 @@ def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torc
     cos, sin = rotary(x, pos)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     if into is not None:
-        keys, vals = into.update(k.to(x.dtype), v.to(x.dtype))
+        keys, vals = (t.to(there) for t in into.update(k.to(home, x.dtype), v.to(home, x.dtype)))
     else:
+        past_k, past_v = past_k.to(there), past_v.to(there)
         keys, vals = torch.cat([past_k, k.to(past_k.dtype)], 2), torch.cat([past_v, v.to(past_v.dtype)], 2)
     o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=allowed, scale=attn.scaling,
                                        enable_gqa=q.shape[1] != keys.shape[1])
     x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+    return (x + layer.mlp(layer.post_attention_layernorm(x))).to(home), k.to(home), v.to(home)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specbench.decode.drafter import HIDDEN, OwnTree, TrainableDrafter, chain_paths
+from specbench.decode.drafter import HIDDEN, OwnTree, RowsDrafter, TrainableDrafter, chain_paths
 from drafters.distill import soft_ce, teacher_probs
 from drafters.trees import list_order, paths_from_accuracies, sorted_paths
 from specbench.decode.checkpoints import check_keys, resolve
@@ -109,7 +109,7 @@ class MedusaOptions:
             raise SpecbenchError(f"medusa: labels={self.labels!r} is not one of ground_truth, target")
 
 
-class MedusaDrafter(TrainableDrafter):
+class MedusaDrafter(RowsDrafter, TrainableDrafter):
     name = "medusa"
     needs = frozenset({HIDDEN})
     Options = MedusaOptions
@@ -237,35 +237,28 @@ class MedusaDrafter(TrainableDrafter):
         return acc
 
     # ---- decoding side -------------------------------------------------------------------------------------------
-    # every row of a batch drafts in the same head forward: the heads read each row's last hidden state
-    batched = True
+    # every row of a batch (batch 1 included) drafts in the same head forward: the heads read each row's last hidden
+    # state
 
     @staticmethod
     def _last_hidden(state: TargetState) -> torch.Tensor:
-        """Each row's last fresh hidden state [B, H] (ragged rows: at its own count)."""
-        if state.lengths is None:
-            return state.hidden[:, -1]
+        """Each row's last fresh hidden state [B, H] (each row at its own count)."""
         last = (state.fresh_rows() - 1)[:, None, None].expand(-1, 1, state.hidden.shape[-1])
         return state.hidden.gather(1, last)[:, 0]
 
-    def prefill(self, state: TargetState) -> None:
+    def prefill_rows(self, state: TargetState) -> None:
         self.last_h = self._last_hidden(state)
 
     @torch.inference_mode()
-    def propose(self, state: TargetState) -> DraftTree:
+    def propose_rows(self, state: TargetState) -> DraftTree:
         logits = self.heads.logits(self.last_h, self.lm_head)  # [B, K, V]
         top = logits.topk(self.topk, dim=-1).indices  # [B, K, topk]
         tokens = top[:, self.depth_idx, self.rank_idx]  # [B, N]
         return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1), is_chain=self.is_chain,
                          priority=self.priority.expand(tokens.shape[0], -1))
 
-    prefill_rows, propose_rows = prefill, propose
-
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
         self.last_h = self._last_hidden(state)
 
     def keep_rows(self, leave) -> None:
         pass  # the next state (after the batch shrank) gives every row's hidden state afresh
-
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        self.last_h = self._last_hidden(state)

@@ -63,8 +63,9 @@ Where we differ, and why:
     is one sequence per micro-batch (`mini_batch_size: 1`, 32 accumulated), each sequence weighing the same.
   - target layers: the TLI layers run the target's own weights through a functional restatement of the Llama decoder
     layer (drafters/layers.py: target_layer), because the drafter may not touch the target's cache.
-model.compile: the same steps as compiled regions on static caches (the new activations, the SA over the new verified
-tokens, the whole tree; `_propose_static`), drafting the eager path's trees.
+Decoding (every batch size, 1 included, one path): one DraftCache (specbench/decode/draftcache.py) over the SA, TLI
+and CA layers; per step one forward appends the newly verified tokens' activations and SA entries, then the tree grows
+level by level. model.compile: those two steps as two compiled regions on a static cache, drafting the eager trees.
 """
 from __future__ import annotations
 
@@ -77,20 +78,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Cache
-from transformers.cache_utils import CacheLayerMixin
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
-from specbench.decode.drafter import KV, TrainableDrafter
+from specbench.decode.compiled import Region
+from specbench.decode.draftcache import CompiledTree, DraftCache
+from specbench.decode.drafter import KV, RowsDrafter, TrainableDrafter, chain_paths
 from specbench.errors import SpecbenchError
 from drafters.distill import per_sequence_weights, teacher_probs, top1, weighted_mean
 from drafters.layers import layers_config, target_layer
-from drafters.trees import CompiledTree, Grown, GrowingTree, Level, make_tree
-from specbench.decode.compiled import STATIC_BLOCK, Region, pad_rows, step_rows
-from specbench.decode.kvcache import StaticCache
-from specbench.decode.rows import RowCounts
-from specbench.decode.target import kv_per_token
-from specbench.decode.tree import additive, batch_tree_mask, tree_attention_mask, visible
+from drafters.trees import Grown, GrowingTree, make_tree
+from specbench.decode.target import cache_kv, kv_per_token
+from specbench.decode.tree import additive, batch_tree_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
@@ -313,7 +312,7 @@ def staircase_rows(batch_size: int, progress: float, until: float, device, stair
     return ~(torch.rand(batch_size, device=device) < p)
 
 
-class MoADrafter(TrainableDrafter):
+class MoADrafter(RowsDrafter, TrainableDrafter):
     name = "moa"
     needs = frozenset({KV})
     Options = MoAOptions
@@ -325,29 +324,16 @@ class MoADrafter(TrainableDrafter):
         loading `checkpoint`."""
         self.net = net if net is not None else self.load_module(target, checkpoint, module)
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
-        self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
+        self.target, self.embed, self.lm_head = target, target.decoder.embed_tokens, target.lm_head
         self.final_norm, self.rotary = target.decoder.norm, target.decoder.rotary_emb
         self.tli_layers = list(target.decoder.layers[len(target.decoder.layers) - self.net.tli :])  # frozen, shared
         # read from the run's options (a checkpoint records its training's; this one is the run's to choose)
         self.tli_context = (module or {}).get("tli_context", "target")
         if self.tli_context not in TLI_CONTEXT:
             raise SpecbenchError(f"moa tli_context={self.tli_context!r} is not one of {', '.join(TLI_CONTEXT)}")
-        self.target = target
-        self.new_kv = target.drafter_kv  # the target's kind of cache (model.cache)
-        self.static: StaticCache | None = None  # model.compile: the SA and TLI layers' static cache
-        self.ca_static: StaticCache | None = None  # and CA's
-        self.region = CompiledTree()  # the tree's growth, compiled
-        # and the steps before it (_propose_static): the new activations, the SA over the new verified tokens
-        self._absorb_region, self._sa_region = Region(self._absorb_at), Region(self._sa_at)
-        self.ragged = False  # a batch's ragged rows (prefill_rows with several): the rows protocol's caches
-        self.reset()
-
-    def reset(self) -> None:
-        self.ca_kv: CacheLayerMixin | None = None  # CA keys/values of verified activations
-        self.acts = 0  # verified tokens whose activations are in ca_kv (and in the TLI caches)
-        self.sa_cache: Cache | None = None
-        self.sa_len = 0
-        self.tli_kv: list[CacheLayerMixin] = []  # per TLI layer: K, V [1, nkv, n, dh]
+        self.cache: DraftCache | None = None  # per generation (prefill_rows): the SA, TLI and CA layers' K, V
+        self.region = CompiledTree()  # model.compile: the tree's growth, compiled
+        self._append = Region(self._append_step)  # and the step over the new verified tokens
 
     # ---- weights -------------------------------------------------------------------------------------------------
     @classmethod
@@ -475,294 +461,49 @@ class MoADrafter(TrainableDrafter):
     @classmethod
     @torch.no_grad()
     def chain_predict(cls, module, input_ids, hidden, positions, depth, target):
-        """Greedy chains through the decoding path itself (the target's K/V recomputed for the prefix)."""
-        from specbench.decode.target import cache_kv
-
-        d = cls(target, net=module)  # the decoding path around the module being trained
+        """Greedy chains through the decoding path itself (the target's K/V recomputed for the prefix): a static tree
+        of one path, each drafted token seeing the same activations and its drafted ancestors."""
+        d = cls(target, net=module, tree={"kind": "static", "paths": chain_paths(depth)})
         out = []
         for t in positions:
-            d.prefill(None)
             cache = target.new_cache()
             target.forward(input_ids[None, :t], cache, logits_rows=slice(0, 0))
             state = TargetState(tokens=input_ids[None, : t + 1], hidden=None, kv=cache_kv(cache, target.device))
-            row, toks = [], input_ids[None, : t + 1]
-            for _ in range(depth):  # a chain: the next row sees the same activations and the drafted tokens before it
-                nxt = d._root_logits(toks, state).argmax(-1).view(1, 1)
-                row.append(nxt[0, 0])
-                toks = torch.cat([toks, nxt], 1)
-            out.append(torch.stack(row))
+            d.prefill_rows(state)
+            out.append(d.propose_rows(state).tokens[0])
         return torch.stack(out)
 
     # ---- decoding side -------------------------------------------------------------------------------------------
-    def prefill(self, state: TargetState | None) -> None:
-        self.reset()
-        size = 1024 if state is None else state.cache_positions
-        self.ca_kv = self.new_kv(size)
-        self.sa_cache = Cache(layers=[self.new_kv(size)])  # the SA layer is layer 0
-        self.tli_kv = [self.new_kv(size) for _ in range(self.net.tli)]
-
-    def _wdt(self) -> torch.dtype:
-        return self.net.Ekv2E.weight.dtype
-
-    def _absorb(self, state: TargetState) -> None:
-        """LSA (+ CA keys) and TLI caches for the activations verified since the last cycle."""
-        n = state.kv[0][0].shape[2]
-        if n == self.acts:
-            return
-        new = slice(self.acts, n)
-        per_layer = [kv_per_token(k[0, :, new], v[0, :, new]) for k, v in state.kv]  # L x [m, 2E_kv]
-        acts = self.net.lsa(torch.stack(per_layer, 1).to(self._wdt()))[None]  # [1, m, E]
-        pos = torch.arange(self.acts, n, device=self.device)[None]
-        k, v = self.net.cross_attention.keys(acts, pos)
-        self.ca_kv.update(k, v)
-        first = len(state.kv) - self.net.tli
-        for i, cached in enumerate(self.tli_kv):
-            k, v = state.kv[first + i]
-            cached.update(k[:, :, new], v[:, :, new])
-        self.acts = n
-
-    def _tli_alone(self, x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """tli_context none, the authors' inference: the TLI layers without any cache, each row seeing only itself (in
-        theirs it sees its whole level: module docstring) -> the final norm of their output. x [B, R, E], p [B, R]."""
-        itself = torch.eye(x.shape[1], dtype=torch.bool, device=self.device)[None, None]
-        for cached, layer in zip(self.tli_kv, self.tli_layers):
-            kc, vc = cached.window_kv() if self.static is not None else (cached.keys, cached.values)
-            kc, vc = kc[: x.shape[0], :, :0], vc[: x.shape[0], :, :0]
-            x, _, _ = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, itself)
-        return self.final_norm(x)
-
-    def _rows(self, tokens: torch.Tensor, pos: int, sa_seen: torch.Tensor, tli_seen: torch.Tensor) -> torch.Tensor:
-        """Draft rows tokens [R] at position pos: SA over the tree (sa_seen [R, S]: the drafted SA slots each row sees
-        besides the verified tokens, itself included), CA over verified activations, TLI layers (tli_seen [R, S']: its
-        TLI slots besides the verified activations, the root's own first) -> logits [R, V]."""
-        wdt = self._wdt()
-        r = tokens.shape[0]
-        p = torch.full((1, r), pos, device=self.device)
-        q = self.net.sa(self.embed(tokens[None]).to(wdt), p, tree_attention_mask(sa_seen, self.sa_len, wdt),
-                        self.sa_cache)
-        ca_allowed = visible(torch.zeros(r, 0, dtype=torch.bool, device=self.device), self.acts)  # every activation
-        x = self.net.cross_attention(q, p, ca_allowed, (self.ca_kv.keys, self.ca_kv.values))
-        if self.net.tli and self.tli_context == "none":
-            x = self._tli_alone(x, p)
-        elif self.net.tli:
-            allowed = visible(tli_seen, self.acts)  # [1, 1, R, acts + S']
-            for i, layer in enumerate(self.tli_layers):
-                cached = self.tli_kv[i]
-                kc, vc = cached.keys, cached.values
-                x, k, v = target_layer(layer, self.rotary, x.to(kc.dtype), p, kc, vc, allowed)
-                cached.update(k, v)
-            x = self.final_norm(x)
-        return self.lm_head(x.to(self.lm_head.weight.dtype))[0]
-
-    def _root_logits(self, toks: torch.Tensor, state: TargetState) -> torch.Tensor:
-        """Absorb new activations, run SA over the new verified tokens (the root last), draft the root's row."""
-        self._absorb(state)
-        n = toks.shape[1]
-        wdt = self._wdt()
-        m = n - 1 - self.sa_len
-        if m > 0:  # causal over the new verified tokens, after the cached ones
-            seen = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
-            self.net.sa(self.embed(toks[:, self.sa_len : n - 1]).to(wdt),
-                        torch.arange(self.sa_len, n - 1, device=self.device)[None],
-                        tree_attention_mask(seen, self.sa_len, wdt), self.sa_cache)
-            self.sa_len = n - 1
-        # the root's TLI slot; in validation chains earlier drafted tokens stay in the TLI caches and are seen too
-        own = (self.tli_kv[0].get_seq_length() if self.net.tli else self.acts) + 1 - self.acts
-        ones = lambda k: torch.ones(1, k, dtype=torch.bool, device=self.device)  # noqa: E731
-        logits = self._rows(toks[0, -1:], n - 1, ones(1), ones(own))[0]
-        self.sa_len = n  # the root is a verified token: its SA entry stays
-        return logits
-
-    def crop(self) -> None:
-        """Drop drafted entries: SA keeps the verified tokens (root included), TLI the verified activations."""
-        extra = self.sa_cache.get_seq_length() - self.sa_len
-        if extra > 0:
-            self.sa_cache.crop(-extra)
-        for cached in self.tli_kv:
-            cached.crop(self.acts - cached.get_seq_length())
-
-    @torch.inference_mode()
-    def propose(self, state: TargetState) -> DraftTree:
-        toks = state.tokens
-        root_logits = self._root_logits(toks, state)
-        root_pos = toks.shape[1] - 1
-        book = GrowingTree(self.policy.max_nodes, self.device)  # slots: the drafted SA entries
-
-        def expand(level: Level) -> torch.Tensor:
-            sa_seen = book.add(level.nodes, level.parents)
-            # TLI entries are appended in the same order, after the root's own (seen by every row)
-            tli_seen = torch.cat([sa_seen.new_ones(sa_seen.shape[0], 1), sa_seen], -1)
-            return self._rows(level.tokens, root_pos + level.depth, sa_seen, tli_seen)
-
-        grown = self.policy.grow(root_logits, expand)
-        self.crop()
-        return grown.draft()
-
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        pass  # everything the next cycle needs is read from state.kv / state.tokens in propose
-
-    # ---- the rows protocol: every row of a batch in the same forwards ---------------------------------------------
-    # Batch 1 is the one-row path above (its records unchanged), except with model.compile (below: every batch size
-    # through the static path). Ragged rows (B > 1): the CA, SA and TLI caches hold
-    # one row per batch row, each at its own length (`_acts` activations, `_sa` SA entries: RowCounts); the new activations, the new verified tokens' SA and each tree level are one forward for all rows
-    # (padded to the longest row; a row's padding entries are written, then left stale behind its length).
-    batched = True
-
+    # Every row of a batch, batch 1 included, drafts in the same forwards. One DraftCache holds the layers [SA, TLI...,
+    # CA]; a row's verified entries are the target's cached tokens' (every verified token but the root). A step
+    # appends the new ones (`_append_step`), then grows the tree (`_grow`), whose slot 0 is the root: a drafted entry,
+    # dropped with the tree and written again as verified at the next step. model.compile: each one compiled region.
     def prefill_rows(self, state: TargetState) -> None:
-        self.ragged = state.lengths is not None
-        self.static = None
-        if self.target.compiled is None and not self.ragged:
-            return self.prefill(state)
-        self.reset()
-        size, a = state.cache_positions, state.rows
-        if self.target.compiled is not None:  # model.compile: static caches of the batch's bucket, rows ragged
-            # the SA layer and the TLI layers on one cache: inside the tree they write at the same offsets (the root's
-            # slot, then the drafted nodes', behind the verified activations); CA's keys on a cache of their own
-            self.static = self.target.drafter_cache(layers_config(self.target, 1 + self.net.tli), size,
-                                                    self.net.self_attention, ragged=True, rows=a)
-            self.ca_static = self.target.drafter_cache(layers_config(self.target), size, self.net.cross_attention,
-                                                       ragged=True, rows=a)
-            self.sa_cache, self.ca_kv = self.static, self.ca_static.layers[0]
-            self.tli_kv = list(self.static.layers[1:])
-        else:
-            self.ca_kv = self.new_kv(size, ragged=True)
-            self.sa_cache = Cache(layers=[self.new_kv(size, ragged=True)])
-            self.tli_kv = [self.new_kv(size, ragged=True) for _ in range(self.net.tli)]
-        self._acts = RowCounts.zeros(a, self.device)  # activations in ca_kv and in the TLI caches, per row
-        self._sa = RowCounts.zeros(a, self.device)  # verified tokens in the SA cache, per row
-
-    def _set_lengths(self, sa: bool = True) -> None:
-        """Every cache's rows back at their verified lengths (drafted entries dropped)."""
-        for cached in (self.ca_kv, *self.tli_kv):
-            cached.set_row_lengths(self._acts)
-        if sa:
-            self.sa_cache.layers[0].set_row_lengths(self._sa)
-
-    def _absorb_rows(self, state: TargetState) -> None:
-        """_absorb for ragged rows: row b's cached columns acts[b] .. lengths[b] - 2 of every layer, padded to the
-        widest row: one LSA forward, one CA key write, one write per TLI cache."""
-        now = state.lengths - 1  # the target's cached entries per row
-        m = max(n - c for n, c in zip(now, self._acts))  # (on the host)
-        if m <= 0:
-            return
-        self._set_lengths(sa=False)
-        self._absorb_at(self._acts.dev[:, None] + torch.arange(m, device=self.device), state.kv)
-        self._acts = now
-        self._set_lengths(sa=False)
-
-    def _rows_batch(self, tokens: torch.Tensor, pos: torch.Tensor, sa_seen: torch.Tensor,
-                    tli_seen: torch.Tensor) -> torch.Tensor:
-        """_rows for ragged rows: tokens [A, R] at positions pos [A] (each row's), sa_seen [A, R, S], tli_seen
-        [A, R, S'] as there -> logits [A, R, V]."""
-        wdt = self._wdt()
-        a, r = tokens.shape
-        sa_mask = batch_tree_mask(sa_seen, self._sa.dev, self._sa.max() + sa_seen.shape[-1], wdt)
-        none = torch.zeros(a, r, 0, dtype=torch.bool, device=self.device)
-        ca_allowed = batch_tree_mask(none, self._acts.dev, self._acts.max(), wdt)  # every activation of the row
-        tli_mask = None
-        if self.net.tli and self.tli_context != "none":
-            tli_mask = batch_tree_mask(tli_seen, self._acts.dev, self._acts.max() + tli_seen.shape[-1],
-                                       self.tli_kv[0].keys.dtype)
-        return self._draft(tokens, pos[:, None].expand(a, r), sa_mask, ca_allowed,
-                           (self.ca_kv.keys, self.ca_kv.values), tli_mask)
-
-    def _draft(self, tokens: torch.Tensor, p: torch.Tensor, sa_mask: torch.Tensor, ca_mask: torch.Tensor,
-               ca_kv: tuple[torch.Tensor, torch.Tensor], tli_mask: torch.Tensor | None) -> torch.Tensor:
-        """Draft rows of every batch row in one forward: tokens [A, R] at positions p [A, R]; SA over the SA cache
-        (sa_mask [A, 1, R, W] additive: the verified tokens and the drafted slots each row sees, itself included), CA
-        over the verified activations (ca_mask over ca_kv), the TLI layers over their caches (tli_mask: the verified
-        activations and the drafted slots, the root's first; each layer's rows written behind each row's own entries)
-        -> logits [A, R, V]."""
-        q = self.net.sa(self.embed(tokens).to(self._wdt()), p, sa_mask, self.sa_cache)
-        x = self.net.cross_attention(q, p, ca_mask, ca_kv)
-        if self.net.tli and self.tli_context == "none":
-            x = self._tli_alone(x, p)
-        elif self.net.tli:
-            for cached, layer in zip(self.tli_kv, self.tli_layers):
-                # the rows' K, V written behind each row's own entries, attention over the whole buffer
-                x, _, _ = target_layer(layer, self.rotary, x.to(tli_mask.dtype), p, None, None, tli_mask, into=cached)
-            x = self.final_norm(x)
-        return self.lm_head(x.to(self.lm_head.weight.dtype))
+        config = layers_config(self.target, 2 + self.net.tli)
+        self.cache = DraftCache.for_decoder(self.target, config, state, self.net.self_attention)
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
-        if self.static is not None:
-            return self._propose_static(state)
-        if not self.ragged:
-            return self.propose(state)
-        dev = self.device
-        self._absorb_rows(state)
-        lengths = state.lengths  # verified tokens per row, the root last
-        a = len(lengths)
-        m = max(t - 1 - c for t, c in zip(lengths, self._sa))
-        if m > 0:  # each row's new verified tokens (the root excluded), causal, after its cached ones
-            cols = self._sa.dev[:, None] + torch.arange(m, device=dev)  # [A, m]
+        fresh = state.lengths - 1 - self.cache.verified  # the target's cached entries not yet in ours, per row
+        if fresh.max() > 0:
+            cols = self.cache.verified.dev[:, None] + torch.arange(fresh.max(), device=state.tokens.device)  # [A, n]
             toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
-            self._sa_at(toks, cols, self._sa.dev, self._sa.max() + m)
-            self._sa = lengths - 1
-            self.sa_cache.layers[0].set_row_lengths(self._sa)
-        root_pos = lengths.dev - 1
-        ones = torch.ones(a, 1, 1, dtype=torch.bool, device=dev)  # the root sees itself (SA) and its TLI slot
-        root_logits = self._rows_batch(state.tokens.gather(1, root_pos[:, None]), root_pos, ones, ones)[:, 0]
-        self._sa = lengths  # the root is a verified token: its SA entry stays
-        book = GrowingTree(self.policy.max_nodes, dev, trees=a)  # slots: the drafted SA entries
-
-        def expand(level: Level) -> torch.Tensor:
-            sa_seen = book.add(level.nodes, level.parents)  # [A, m, S]
-            tli_seen = torch.cat([sa_seen.new_ones(*sa_seen.shape[:2], 1), sa_seen], -1)
-            return self._rows_batch(level.tokens, root_pos + level.depth, sa_seen, tli_seen)
-
-        grown = self.policy.grow_rows(root_logits, expand)
-        self._set_lengths()  # drop drafted entries
-        return grown.draft()
-
-    # ---- model.compile: the same steps as compiled regions on static caches ----------------------------------------
-    # Three regions a step, each padded to a bucket (the first two run eagerly over the prompt, as a prefill): the new
-    # activations (LSA, CA keys, the TLI caches' copies of the target's K/V, read from its static buffers whole), the
-    # SA over the new verified tokens, and the tree (drafters/trees.py CompiledTree). Unlike the eager rows, the
-    # root's SA entry is a drafted one (slot 0 of the tree, dropped with it): the next step's SA writes it again, as
-    # a verified token, with the tokens accepted after it.
-    def _propose_static(self, state: TargetState) -> DraftTree:
-        dev, static = self.device, self.static
-        lengths = state.lengths
-        if lengths is None:  # one row: every token of it
-            lengths = RowCounts((state.num_tokens,) * state.rows, state.num_tokens_rows())
-        self._set_lengths()
-        bucket = static.batch
-        m = max(t - 1 - c for t, c in zip(lengths, self._acts))  # new activations: the target's cached entries
-        if m > 0:
-            prefill = self._acts.max() == 0  # (the prompt's: eager)
-            q = step_rows(m, prefill)
-            cols = self._acts.dev[:, None] + torch.arange(q, device=dev)  # [A, q]
-            self.ca_static.place(self._acts, q, STATIC_BLOCK)
-            static.place(self._acts, q, STATIC_BLOCK)  # (its TLI layers)
-            self._absorb_region(static, prefill, pad_rows(cols, bucket), state.kv_static)
-            self._acts = lengths - 1
-        m = max(t - 1 - c for t, c in zip(lengths, self._sa))  # new verified tokens but the root, for the SA
-        if m > 0:
-            prefill = self._sa.max() == 0
-            q = step_rows(m, prefill)
-            cols = self._sa.dev[:, None] + torch.arange(q, device=dev)  # [A, q]
-            toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
-            width = static.place(self._sa, q, STATIC_BLOCK)
-            self._sa_region(static, prefill, pad_rows(toks, bucket), pad_rows(cols, bucket),
-                            pad_rows(self._sa.dev, bucket), width)
-            self._sa = lengths - 1
-        self._set_lengths()  # the SA layer at the verified activations' count: the tree's prefixes
-        root = state.tokens.gather(1, (lengths.dev - 1)[:, None])  # [A, 1]
-        # the drafted entries of the SA and TLI layers: the root's and one per node fed to `expand`
+            # (the target's K, V: its static buffers whole under model.compile, shapes that never change)
+            self.cache.append(self._append_step, fresh, toks, region=self._append, whole=(state.kv_static or state.kv,))
+        root = state.tokens.gather(1, (state.lengths.dev - 1)[:, None])  # [A, 1]
         vocab = self.lm_head.weight.shape[0]
-        entries = 1 + self.policy.expanded(vocab)
-        # the width CA reads, the one the tree's SA and TLI layers will (one graph per block, not two)
-        self.ca_static.place(self._acts, entries, STATIC_BLOCK)
-        return self.region.grow(static, self.policy, vocab, self._grow_laid_out, root, self._sa.dev, entries)
+        # the tree's drafted entries in the SA and TLI layers: the root's and one per node fed to `expand`
+        return self.cache.grow(self._grow, root, self.region, self.policy, vocab, 1 + self.policy.expanded(vocab))
 
-    def _absorb_at(self, cols: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The activations of the target's cached columns cols [P, q] (each row's new ones, then padding, written past
-        its own: stale), from its K, V kv (per layer [P' >= P or the bucket, nkv, >= cols, dh]: the cache's views, or
-        its static buffers whole): LSA, CA keys, the TLI layers' K, V, written at the caches' offsets."""
-        p, q = cols.shape
-        at = cols.clamp(max=kv[0][0].shape[2] - 1)[:, None, :, None]
+    def _append_step(self, prefixes: torch.Tensor, toks: torch.Tensor,
+                     kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The verified tokens toks [P, q] behind each row's `prefixes` [P] (a row's padding past its own: stale), from
+        the target's K, V of their positions (kv: per layer [P' >= P or fewer, nkv, >= prefixes + q, dh], the cache's
+        views or its static buffers whole): their activations (LSA), CA keys and TLI layers' K, V, and their SA
+        entries, causal among themselves."""
+        (p, q), wdt = toks.shape, self.net.Ekv2E.weight.dtype
+        pos, mask = self.cache.causal(prefixes, q, wdt)  # [P, q] the positions, the SA's mask
+        at = pos.clamp(max=kv[0][0].shape[2] - 1)[:, None, :, None]
 
         def take(x: torch.Tensor) -> torch.Tensor:  # [P', nkv, cap, dh] -> [P, nkv, q, dh]
             if x.shape[0] < p:  # (the target's bucket smaller than ours: its missing rows are padding)
@@ -771,55 +512,52 @@ class MoADrafter(TrainableDrafter):
 
         new = [(take(k), take(v)) for k, v in kv]
         per_layer = torch.stack([kv_per_token(k, v) for k, v in new], 2)  # [P, q, L, 2E_kv]
-        acts = self.net.lsa(per_layer.flatten(0, 1).to(self._wdt())).view(p, q, -1)  # [P, q, E]
-        self.ca_kv.write(*self.net.cross_attention.keys(acts, cols))
-        for cached, (k, v) in zip(self.tli_kv, new[len(new) - self.net.tli :]):
+        acts = self.net.lsa(per_layer.flatten(0, 1).to(wdt)).view(p, q, -1)  # [P, q, E]
+        self.cache.cache.layers[-1].write(*self.net.cross_attention.keys(acts, pos))
+        for cached, (k, v) in zip(self.cache.cache.layers[1:-1], new[len(new) - self.net.tli :]):  # (TLI layers)
             cached.write(k, v)
+        self.net.sa(self.embed(toks).to(wdt), pos, mask, self.cache.cache)
 
-    def _sa_at(self, toks: torch.Tensor, cols: torch.Tensor, prefixes: torch.Tensor, width: int) -> None:
-        """The SA over tokens toks [P, q] at positions cols [P, q], behind each row's `prefixes` [P] verified ones,
-        causal among themselves, over `width` cache columns, written at the SA layer's offsets."""
-        p, q = toks.shape
-        causal = torch.ones(q, q, dtype=torch.bool, device=toks.device).tril().expand(p, q, q)
-        wdt = self._wdt()
-        self.net.sa(self.embed(toks).to(wdt), cols, batch_tree_mask(causal, prefixes, width, wdt), self.sa_cache)
-
-    def _grow_laid_out(self, root: torch.Tensor, at) -> Grown:
-        """CompiledTree's grow: root tokens [P, 1] -> the policy's trees, inside its region. Every level (the root the
-        first, in slot 0, at each row's verified activations' count: CompiledTree's depth 1) runs SA and the TLI
-        layers over the same slots and mask, CA over every verified activation."""
-        p, dev = root.shape[0], root.device
+    def _grow(self, root: torch.Tensor, at, laid_out: bool) -> Grown:
+        """The trees from the root tokens [P, 1]: every level (the root the first, in slot 0, at `at`'s depth 1) runs
+        SA and the TLI layers over the same slots and mask, CA over every verified activation (laid_out: inside
+        CompiledTree's region, which sets the write offsets; the layers write through the cache either way)."""
+        del laid_out
+        p, dev, wdt = root.shape[0], root.device, self.net.Ekv2E.weight.dtype
         book = GrowingTree(self.policy.max_nodes, dev, root_slot=True, trees=p)
         seen = torch.ones(p, 1, 1, dtype=torch.bool, device=dev)  # the root sees its own slot
-        pos = at(seen, 1, self._wdt())[0]  # [P, 1]: each row's prefix (and the root's offsets, set again below)
-        ca_kv = self.ca_kv.window_kv()
-        ca_mask = batch_tree_mask(torch.zeros(p, 1, 0, dtype=torch.bool, device=dev), pos[:, 0], ca_kv[0].shape[2],
-                                  self._wdt())  # [P, 1, 1, W]: every level's rows, broadcast
+        prefixes = at(seen, 1, wdt)[0][:, 0]  # [P] each row's verified entries (the root's position)
+        ca = self.cache.cache.layers[-1]
+        ca_kv = ca.window_kv() if self.cache.static else (ca.keys, ca.values)
+        ca_mask = batch_tree_mask(seen[:, :, :0], prefixes, ca_kv[0].shape[2], wdt)  # [P, 1, 1, W]: every activation
 
         def rows(tokens: torch.Tensor, seen_: torch.Tensor, depth: int) -> torch.Tensor:
-            p_, mask_ = at(seen_, depth, self._wdt())
-            tli_mask = None
-            if self.net.tli:  # the same slots, in the target's dtype (the TLI layers' caches are the target's)
-                tli_mask = mask_ if self.target.dtype == mask_.dtype else batch_tree_mask(
-                    seen_, pos[:, 0], mask_.shape[-1], self.target.dtype)
-            return self._draft(tokens, p_, mask_, ca_mask, ca_kv, tli_mask)
+            """tokens [P, R] at their depth, seeing seen_ [P, R, S] of the drafted slots -> logits [P, R, V]."""
+            pos, mask = at(seen_, depth, wdt)
+            x = self.net.cross_attention(self.net.sa(self.embed(tokens).to(wdt), pos, mask, self.cache.cache), pos,
+                                         ca_mask, ca_kv)
+            dt = self.target.dtype  # (the TLI layers' K, V are the target's)
+            tli_mask = mask if mask.dtype == dt or not self.net.tli else at(seen_, depth, dt)[1]  # SA's slots
+            for cached, layer in zip(self.cache.cache.layers[1:-1], self.tli_layers):
+                if self.tli_context == "target":  # over the verified activations' K, V and the drafted path's
+                    x, _, _ = target_layer(layer, self.rotary, x.to(dt), pos, None, None, tli_mask, into=cached)
+                else:  # none, the authors' inference: no cache, each row seeing only itself (theirs: its whole level)
+                    attn, r = layer.self_attn, x.shape[1]
+                    past = x.new_zeros(p, attn.k_proj.out_features // attn.head_dim, 0, attn.head_dim, dtype=dt)
+                    itself = torch.eye(r, dtype=torch.bool, device=dev)[None, None]  # [1, 1, R, R]
+                    x, _, _ = target_layer(layer, self.rotary, x.to(dt), pos, past, past, itself)
+            x = self.final_norm(x) if self.net.tli else x
+            return self.lm_head(x.to(self.lm_head.weight.dtype))
 
         root_logits = rows(root, seen, 1)[:, 0]
-
-        def expand(level: Level) -> torch.Tensor:
-            return rows(level.tokens, book.add(level.nodes, level.parents), level.depth + 1)
-
-        return self.policy.grow_rows(root_logits, expand)
+        return self.policy.grow_rows(
+            root_logits, lambda level: rows(level.tokens, book.add(level.nodes, level.parents), level.depth + 1))
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        pass  # as on_verified
+        pass  # everything the next step needs is read from state.kv / state.tokens in propose_rows
 
     def keep_rows(self, leave) -> None:
-        keep = len(leave.index)
-        for cached in (self.ca_kv, self.sa_cache.layers[0], *self.tli_kv):
-            cached.move_rows(leave.src, leave.dst, keep)
-        self._acts, self._sa = self._acts.keep(leave), self._sa.keep(leave)
-        self._set_lengths()
+        self.cache.keep(leave)
 
 
 # ---- the authors' published layout -----------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specbench.decode.drafter import Drafter, OwnTree, chain_paths
+from specbench.decode.drafter import Drafter, OwnTree, RowsDrafter, chain_paths
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
@@ -41,7 +41,7 @@ def lookup_rows(tokens: torch.Tensor, lengths: torch.Tensor, max_ngram: int, min
     return start, count
 
 
-class PromptLookup(Drafter):
+class PromptLookup(RowsDrafter, Drafter):
     name = "pld"
 
     def __init__(self, target: object = None, num_pred_tokens: int = 10, max_ngram: int = 2, min_ngram: int = 1,
@@ -58,17 +58,7 @@ class PromptLookup(Drafter):
         return OwnTree({"kind": "static", "name": f"prompt lookup, up to {n} tokens", "paths": chain_paths(n)},
                        lambda s, cut: {**s, "num_pred_tokens": len(cut["paths"])})
 
-    batched = True  # every row's lookup in one set of tensor ops, one host read of the draft lengths per step
-
-    def prefill(self, state: TargetState) -> None:
-        pass
-
-    def propose(self, state: TargetState) -> DraftTree:
-        return self.propose_rows(state)
-
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        pass  # stateless: the context is re-read at every step
-
+    # every row's lookup in one set of tensor ops, one host read of the draft lengths per step, at every B
     def prefill_rows(self, state: TargetState) -> None:
         pass
 
@@ -80,15 +70,13 @@ class PromptLookup(Drafter):
         n = max(sizes)
         cols = (start[:, None] + torch.arange(n, device=start.device)).clamp(max=state.tokens.shape[1] - 1)
         tokens = state.tokens.gather(1, cols)  # [B, n]
-        if len(sizes) == 1:
-            return DraftTree.chain(tokens)
         tree = DraftTree.chain(tokens)
         tree.sizes, tree.valid = sizes, torch.arange(n, device=start.device)[None, :] < count[:, None]
         tree.is_chain = len(set(sizes)) == 1
         return tree
 
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        pass
+        pass  # stateless: the context is re-read at every step
 
     def keep_rows(self, leave) -> None:
         pass

@@ -23,16 +23,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from specbench.decode.drafter import OwnTree, TrainableDrafter, chain_paths
+from specbench.decode.drafter import OwnTree, RowsDrafter, TrainableDrafter, chain_paths
 from drafters.distill import kl, teacher_probs, top1
-from drafters.trees import CompiledTree, GrowingTree, Grown, Level, make_tree
+from drafters.trees import GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import resolve
 from specbench.decode.compiled import decode
+from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.errors import SpecbenchError
-from specbench.decode.kvcache import StaticCache
 from specbench.decode.rows import RowCounts
 from specbench.decode.sampling import logits_to_probs, sample
-from specbench.decode.tree import batch_tree_mask, tree_attention_mask
 from specbench.decode.types import DraftTree, TargetState, VerifyResult
 
 
@@ -122,7 +121,7 @@ class SDOptions:
     init_layers: list[int] = field(default_factory=lambda: [0, -1])  # target layers copied before distillation
 
 
-class IndependentDrafter(TrainableDrafter):
+class IndependentDrafter(RowsDrafter, TrainableDrafter):
     name = "sd"
     Options = SDOptions
 
@@ -144,10 +143,9 @@ class IndependentDrafter(TrainableDrafter):
         else:
             self.model = self.load_module(target, checkpoint, module)
         self.model.eval().requires_grad_(False)
-        self.new_cache = target.drafter_cache  # the target's kind of cache (model.cache)
-        self.cache: DynamicCache | None = None
-        self.cached = 0  # tokens in self.cache: always a prefix of the verified tokens plus the last drafts
-        self.ragged = False  # drafting a batch's ragged rows (prefill_rows): the state below, not `cached`
+        self.target = target
+        self.cache: DraftCache | None = None  # the draft model's, per generation (prefill_rows)
+        self.plain = True  # its logits are LM-head(hidden) (set per generation from its config, prefill_rows)
 
     @classmethod
     def own_tree(cls, spec: dict) -> OwnTree | None:
@@ -191,183 +189,86 @@ class IndependentDrafter(TrainableDrafter):
         return torch.stack(out)  # [P, depth]
 
     # ---- decoding side -------------------------------------------------------------------------------------------
-    def _new_cache(self, state: TargetState, ragged: bool):
+    # The draft model's cache (specbench/decode/draftcache.py) holds one row per batch row at every B, 1 included
+    # (each row's verified tokens, then its drafts, behind its own length); a row's catch-up tokens are fed
+    # left-aligned, causal among themselves, and every chain step or tree level is one forward for all rows.
+    def prefill_rows(self, state: TargetState) -> None:
         cfg = self.model.config
         # model.compile compiles the draft model's decoder (its LM head applied after it, eagerly): a model whose
         # logits are more than LM-head(hidden) (a logit scale or soft-cap) keeps its own forward
         text = cfg.get_text_config()
-        plain = (getattr(text, "logits_scaling", 1.0) in (None, 1.0)
-                 and not any(getattr(text, k, None) for k in ("logit_scale", "final_logit_softcapping")))
-        return self.new_cache(cfg, state.cache_positions, self.model.get_decoder() if plain else None, ragged=ragged,
-                              rows=state.rows)
+        self.plain = (getattr(text, "logits_scaling", 1.0) in (None, 1.0)
+                      and not any(getattr(text, k, None) for k in ("logit_scale", "final_logit_softcapping")))
+        self.cache = DraftCache.for_decoder(self.target, cfg, state, self.model.get_decoder() if self.plain else None)
 
-    def prefill(self, state: TargetState) -> None:
-        self.cache = self._new_cache(state, ragged=False)
-        self.cached = 0
+    def _logits(self, ids: torch.Tensor, last: torch.Tensor | None = None, laid_out: bool = False,
+                **kw) -> torch.Tensor:
+        """The draft model on ids [A, Q] over its cache -> logits on the target's rows, [A, Q, V] or, with `last`
+        [A], each row's row last[b] only ([A, V]: the LM head applied to those rows alone). laid_out: inside
+        CompiledTree's region (specbench/decode/compiled.py decode)."""
+        def pick(x: torch.Tensor) -> torch.Tensor:
+            return x if last is None else x.gather(1, last[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+        if self.plain:  # (model.compile: the compiled decoder on its static cache)
+            hidden = decode(self.model.get_decoder(), self.cache.cache, laid_out, input_ids=ids, **kw)
+            logits = self.model.get_output_embeddings()(pick(hidden))
+        else:
+            logits = pick(self.model(input_ids=ids, past_key_values=self.cache.cache, use_cache=True, **kw).logits)
+        return fit_vocab(logits, self.vocab)
 
-    def _logits(self, ids: torch.Tensor, last: bool, laid_out: bool = False, **kw) -> torch.Tensor:
-        """The draft model on ids [1, Q] over its cache -> logits [1, Q, V'] (last: [1, 1, V'], the last row's).
-        laid_out: inside CompiledTree's region (specbench/decode/compiled.py decode)."""
-        if isinstance(self.cache, StaticCache):  # model.compile: the compiled decoder (specbench/decode/compiled.py)
-            hidden = decode(self.model.get_decoder(), self.cache, laid_out, input_ids=ids, **kw)
-            return self.model.get_output_embeddings()(hidden[:, -1:] if last else hidden)
-        return self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=int(last),
-                          **kw).logits
-
-    @torch.inference_mode()
-    def _next_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self._logits(ids, last=True)
-        self.cached += ids.shape[1]
-        return fit_vocab(logits[:, -1], self.vocab)  # [B, V] on the target's rows
-
-    def propose(self, state: TargetState) -> DraftTree:
-        logits = self._next_logits(state.tokens[:, self.cached :])
-        if self.policy is not None:
-            return self._grow(logits[0], state.num_tokens)
-        tokens, qs = [], []
-        for i in range(self.gamma):
-            if state.sampling.greedy:
-                x = logits.argmax(-1)  # [B]
-            else:
-                q = logits_to_probs(logits, state.sampling)  # [B, V]
-                x = sample(q, state.generator)
-                qs.append(q)
-            tokens.append(x)
-            if i + 1 < self.gamma:
-                logits = self._next_logits(x[:, None])
-        probs = torch.stack(qs, dim=1) if qs else None  # [B, gamma, V]
-        return DraftTree.chain(torch.stack(tokens, dim=1), probs)
-
-    def _grow(self, root_logits: torch.Tensor, verified: int) -> DraftTree:
-        """Tree drafting (MoA's "Independent" row uses EAGLE-2's tree, papers/002 Sec. 4): the policy grows the tree
-        in the draft model's own cache, each expanded node attending to the verified tokens, its ancestors and itself;
-        the drafted entries are cropped off before verification. Drafts are top-k choices (q = 1): lossless at any T."""
-        if isinstance(self.cache, StaticCache):  # model.compile: the whole tree one compiled region
-            return self.region.grow(self.cache, self.policy, root_logits.shape[-1], self._grow_laid_out,
-                                    root_logits[None], torch.full((1,), verified, device=root_logits.device))
-        dev = root_logits.device
-
-        def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):  # one row, the root at verified - 1
-            pos = torch.full((1, seen.shape[1]), verified - 1 + depth, device=dev)
-            return pos, tree_attention_mask(seen[0], verified, dtype)
-
-        grown = self._grow_tree(root_logits[None], at)
-        self.cache.crop(verified - self.cache.get_seq_length())
-        return grown.draft()
-
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        if self.policy is not None:
-            return  # the cache holds the verified tokens up to the old root; the new ones are fed at the next propose
-        # cache = verified tokens before this step + drafts x_1..x_{gamma-1}; keep the accepted ones
-        before = state.num_tokens - len(result.emitted)
-        keep = before + min(result.accept_length, self.gamma - 1)
-        self.cache.crop(keep - self.cached)
-        self.cached = keep
-
-    # ---- the rows of a batch in the same forwards --------------------------------------------------------------------
-    # The draft model's cache holds one row per batch row, ragged (each row's verified tokens behind its own length);
-    # a row's catch-up tokens are fed left-aligned, causal among themselves, and every chain step or tree level is one
-    # forward for all rows. A lone row (batch 1) runs the one-row code above, on the target's cache kind.
-    batched = True
-
-    def prefill_rows(self, state: TargetState) -> None:
-        self.ragged = state.lengths is not None
-        if not self.ragged:
-            return self.prefill(state)
-        self.cache = self._new_cache(state, ragged=True)
-        self.cached_rows = RowCounts.zeros(state.rows, state.tokens.device)  # per row: tokens in its cache row
-
-    def _forward_rows(self, ids: torch.Tensor, seen: torch.Tensor, depth: torch.Tensor | int) -> torch.Tensor:
-        """ids [A, Q] behind each row's cached tokens, query q seeing the new slots seen[a, q] [A, Q, S] -> logits
-        [A, Q, V] on the target's rows; positions cached + depth (depth [Q] or an int)."""
-        pos = self.cached_rows.dev[:, None] + depth
-        pos = pos.expand(ids.shape[0], ids.shape[1])
-        mask = batch_tree_mask(seen, self.cached_rows.dev, self.cached_rows.max() + seen.shape[-1],
-                               self.model.get_output_embeddings().weight.dtype)
-        return fit_vocab(self._logits(ids, last=False, position_ids=pos, attention_mask=mask), self.vocab)
+    def _append(self, ids: torch.Tensor, counts: RowCounts) -> torch.Tensor:
+        """Row b's counts[b] tokens of ids [A, Q] (left-aligned) written behind its cached ones -> the logits after
+        each row's last one [A, V]."""
+        pos, mask = self.cache.extend(counts, ids.shape[1], self.model.get_output_embeddings().weight.dtype)
+        logits = self._logits(ids, counts.dev - 1, position_ids=pos, attention_mask=mask)
+        self.cache.commit(counts)
+        return logits
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
-        if not self.ragged:
-            return self.propose(state)
         a, dev = state.rows, state.tokens.device
-        # catch up: row b's tokens cached[b] .. lengths[b]-1, left-aligned, causal among themselves
-        counts = state.lengths - self.cached_rows
-        q = counts.max()
-        cols = (self.cached_rows.dev[:, None] + torch.arange(q, device=dev)).clamp(max=state.num_tokens - 1)
-        self.cache.set_row_lengths(self.cached_rows)
-        causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril().expand(a, q, q)
-        logits = self._forward_rows(state.tokens.gather(1, cols), causal, torch.arange(q, device=dev))
-        root = logits.gather(1, (counts.dev - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]  # [A, V]
-        self.cached_rows = state.lengths
-        self.cache.set_row_lengths(self.cached_rows)  # (a row's padding entries: stale)
-        if self.policy is not None:
-            return self._grow_rows(root)
-        one = torch.ones(a, 1, 1, dtype=torch.bool, device=dev)
-        tokens, qs, logits = [], [], root
-        gens = state.generators or (None,) * a
+        # catch up: row b's tokens cached[b] .. lengths[b]-1
+        counts = state.lengths - self.cache.verified
+        cols = (self.cache.verified.dev[:, None] + torch.arange(counts.max(), device=dev)).clamp(
+            max=state.num_tokens - 1)
+        logits = self._append(state.tokens.gather(1, cols), counts)  # [A, V]
+        if self.policy is not None:  # (model.compile: the whole tree one compiled region)
+            return self.cache.grow(self._grow, logits, self.region, self.policy, logits.shape[-1])
+        one = RowCounts.copy([1] * a, dev)
+        tokens, qs = [], []
+        gens = state.generators or (state.generator,) * a
         for i in range(self.gamma):
             if state.sampling.greedy:
                 x = logits.argmax(-1)  # [A]
             else:
-                qd = logits_to_probs(logits, state.sampling)  # [A, V]
-                x = torch.cat([sample(qd[r : r + 1], g) for r, g in enumerate(gens)])  # each row its own RNG
-                qs.append(qd)
+                q = logits_to_probs(logits, state.sampling)  # [A, V]
+                x = torch.cat([sample(q[r : r + 1], g) for r, g in enumerate(gens)])  # each row its own RNG
+                qs.append(q)
             tokens.append(x)
-            if i + 1 < self.gamma:
-                logits = self._forward_rows(x[:, None], one, 0)[:, 0]
-                self.cached_rows = self.cached_rows + 1
-                self.cache.set_row_lengths(self.cached_rows)
+            if i + 1 < self.gamma:  # (a draft stays in the cache: on_verified_rows keeps the accepted ones)
+                logits = self._append(x[:, None], one)
         probs = torch.stack(qs, dim=1) if qs else None  # [A, gamma, V]
         return DraftTree.chain(torch.stack(tokens, dim=1), probs)
 
-    def _grow_rows(self, root_logits: torch.Tensor) -> DraftTree:
-        """_grow for every row at once: the root of row b at position cached[b] - 1."""
-        if isinstance(self.cache, StaticCache):  # model.compile: the whole tree one compiled region
-            return self.region.grow(self.cache, self.policy, root_logits.shape[-1], self._grow_laid_out, root_logits,
-                                    self.cached_rows.dev)
-        rows = self.cached_rows
-
-        def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):
-            pos = (rows.dev[:, None] + depth - 1).expand(seen.shape[0], seen.shape[1])
-            return pos, batch_tree_mask(seen, rows.dev, rows.max() + seen.shape[-1], dtype)
-
-        grown = self._grow_tree(root_logits, at)
-        self.cache.set_row_lengths(rows)  # drop the drafted entries
-        return grown.draft()
-
-    def _grow_tree(self, root_logits: torch.Tensor, at, laid_out: bool = False) -> Grown:
-        """root_logits [A, V] -> the policy's trees, each level one forward of the draft model at the positions and
-        mask `at(seen [A, m, S], depth, dtype)` gives (laid_out: inside CompiledTree's region, which also sets the
-        static cache's write offsets)."""
+    def _grow(self, root_logits: torch.Tensor, at, laid_out: bool) -> Grown:
+        """Tree drafting (MoA's "Independent" row uses EAGLE-2's tree, papers/002 Sec. 4): root_logits [A, V] -> the
+        policy's trees, each level one forward of the draft model at the positions and mask `at(seen [A, m, S],
+        depth, dtype)` gives: each expanded node attends to its row's verified tokens, its ancestors and itself
+        (laid_out: inside CompiledTree's region). Drafts are top-k choices (q = 1): lossless at any T."""
         book = GrowingTree(self.policy.max_nodes, root_logits.device, trees=root_logits.shape[0])
 
         def expand(level: Level) -> torch.Tensor:
             seen = book.add(level.nodes, level.parents)  # [A, m, S]
             pos, mask = at(seen, level.depth, self.model.get_output_embeddings().weight.dtype)
-            logits = self._logits(level.tokens, last=False, laid_out=laid_out, position_ids=pos, attention_mask=mask)
-            return fit_vocab(logits, self.vocab)  # [A, m, V] on the target's rows
+            return self._logits(level.tokens, laid_out=laid_out, position_ids=pos, attention_mask=mask)  # [A, m, V]
 
         return self.policy.grow_rows(root_logits, expand)
 
-    def _grow_laid_out(self, root_logits: torch.Tensor, at) -> Grown:
-        """CompiledTree's grow (drafters/trees.py), inside its region."""
-        return self._grow_tree(root_logits, at, laid_out=True)
-
     def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        if not self.ragged:
-            return self.on_verified(results[0], state)
         if self.policy is not None:
             return  # the cache holds the verified tokens up to the old root; the new ones are fed at the next propose
         # row b's cache = its verified tokens before this step + drafts x_1..x_{gamma-1}; keep the accepted ones
         fresh = state.fresh  # accepted + 1 (a row still decoding emitted them all)
-        self.cached_rows = state.lengths - fresh + (fresh - 1).clamp(max=self.gamma - 1)
-        self.cache.set_row_lengths(self.cached_rows)
+        self.cache.set_verified(state.lengths - fresh + (fresh - 1).clamp(max=self.gamma - 1))
 
     def keep_rows(self, leave) -> None:
-        if not self.ragged:
-            return
-        self.cached_rows = self.cached_rows.keep(leave)
-        self.cache.leave(leave.src, leave.dst, len(leave.index), self.cached_rows)
-
-
+        self.cache.keep(leave)

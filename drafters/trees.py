@@ -23,10 +23,8 @@ from typing import Callable
 
 import torch
 
-from specbench.decode.compiled import STATIC_BLOCK, compile_region, pad_rows
-from specbench.decode.kvcache import StaticCache
 from specbench.errors import SpecbenchError
-from specbench.decode.tree import batch_tree_mask, is_chain
+from specbench.decode.tree import is_chain
 from specbench.decode.types import DraftTree
 
 
@@ -167,8 +165,8 @@ class StaticTree:
         return self.fed
 
     def prepare(self, device: torch.device) -> None:
-        """The fixed index tensors for `device`, made now (CompiledTree: before its region, whose outputs a CUDA
-        graph's next replay would overwrite)."""
+        """The fixed index tensors for `device`, made now (specbench/decode/draftcache.py CompiledTree: before its
+        region, whose outputs a CUDA graph's next replay would overwrite)."""
         self._indices(device)
 
     def _indices(self, device: torch.device) -> tuple:
@@ -270,55 +268,6 @@ class DynamicTree:
         par = parents.gather(1, keep)
         return Grown(tokens.gather(1, keep), torch.where(par >= 0, new_id.gather(1, par.clamp(min=0)), -1),
                      is_chain=k == 1, priority=scores.gather(1, keep))  # the best n of these: the tree of n nodes
-
-
-# a region's tree: (root [P, ...], at) -> Grown, where at(seen [P, m, S], depth, dtype) -> (positions [P, m], mask
-# [P, 1, m, width]) for a level's forward on the static cache, its write offsets set
-RegionGrow = Callable[[torch.Tensor, Callable], Grown]
-
-
-class CompiledTree:
-    """model.compile (issue 48, item 4): a drafter's whole tree (every level's forward on its static cache and the
-    policy's top-k, scores and gathers) as one compiled region, so the levels replay without Python in between. The
-    region spans the cache's batch bucket (padding rows grow a tree of their own, never read); each level writes its
-    nodes' entries behind the row's verified ones (`cache.at`, set in the graph) and the decoder runs laid out
-    (specbench/decode/compiled.py, `decode(..., laid_out=True)`); the host lengths never advance, so the drafted
-    entries are dropped when it returns. One graph per (batch bucket, context block, policy). Held by the drafter."""
-
-    def __init__(self):
-        self._region = None
-
-    def grow(self, cache: StaticCache, policy, vocab: int, grow: RegionGrow, root: torch.Tensor,
-             prefixes: torch.Tensor, entries: int | None = None) -> DraftTree:
-        """root [A, ...] (what `grow` starts from: the root's feature, token or logits), prefixes [A] (each row's
-        verified entries in the cache) -> the step's DraftTree [A, N]. entries: the drafted entries the tree appends
-        to the cache (default: one per node fed to `expand`, policy.expanded)."""
-        a = root.shape[0]
-        policy.prepare(root.device)  # (a policy's constant tensors made outside the graph, not as its outputs)
-        # the width every level's mask spans
-        cache.begin(policy.expanded(vocab) if entries is None else entries, STATIC_BLOCK)
-        if self._region is None:
-            self._region = compile_region(self._grow, cache)
-        # the rows past `a` padding
-        tokens, parents, priority, chain = self._region(grow, cache, pad_rows(root, cache.batch),
-                                                        pad_rows(prefixes, cache.batch))
-        # copies: a CUDA graph's outputs are its own buffers, rewritten by its next replay
-        return DraftTree(tokens=tokens[:a].clone(), parents=parents[:a].clone(), is_chain=chain,
-                         priority=None if priority is None else priority[:a].clone())
-
-    @staticmethod
-    def _grow(grow: RegionGrow, cache: StaticCache, root: torch.Tensor, prefixes: torch.Tensor):
-        """What is compiled: root [P, ...], prefixes [P] -> tokens, parents, priority [P, N], is_chain."""
-        p = root.shape[0]
-
-        def at(seen: torch.Tensor, depth: int, dtype: torch.dtype):
-            m, s = seen.shape[1], seen.shape[2]
-            cache.at.copy_(prefixes + (s - m))  # this level's rows behind the levels before
-            return ((prefixes + depth - 1)[:, None].expand(p, m),
-                    batch_tree_mask(seen, prefixes, cache.window.width, dtype))
-
-        grown = grow(root, at)
-        return grown.tokens, grown.parents, grown.priority, grown.is_chain
 
 
 def make_tree(kind: str, **options):

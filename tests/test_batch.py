@@ -47,19 +47,6 @@ def test_every_drafter_batched_is_lossless_per_row(name):
     assert batch.steps == max(r.steps for r in batch.rows)
 
 
-@pytest.mark.parametrize("name", DRAFTER_CONFIGS)
-def test_a_batch_of_one_through_the_batch_path_drafts_and_decodes_as_batch_1(name):
-    """decoding.ragged (Engine(ragged=True)): one prompt through the batch's path (a preallocated cache of ragged
-    rows, per-row masks, the drafters' ragged caches) decodes the target's greedy output, with the steps batch 1 takes
-    on its own path."""
-    t = target_for()
-    for prompt in PROMPTS[:2]:
-        one = Engine(t, make_drafter(name, t), SamplingParams(), ragged=True).generate(prompt, 40)
-        alone = Engine(t, make_drafter(name, t), SamplingParams()).generate(prompt, 40)
-        assert one.new_tokens == hf_greedy(t.model, prompt, 40)
-        assert one.tokens_per_step == alone.tokens_per_step and one.tree_sizes == alone.tree_sizes
-
-
 def test_a_row_done_at_the_prefill_leaves_before_the_first_step():
     """A row whose budget is one token is done at the prefill: the cache drops its row before the first verification
     and the other rows decode as alone (the other rows' prefixes are still ragged)."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from drafters.moa import MoADrafter, block_starts, staircase_rows
+from drafters.trees import Grown, Level
 from specbench.errors import SpecbenchError
 from specbench.decode.target import TargetModel, cache_kv, kv_per_token
 from specbench.decode.types import TargetState
@@ -61,6 +62,41 @@ def setup(tli: int, t: int = 16):
     return target, net, ids, kv
 
 
+class Forced:
+    """A tree policy that drafts `tokens` [A, k] as a chain whatever the logits, keeping the logits of every row fed to
+    the drafter (the root's, then each drafted token's): teacher forcing through the decoding path."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens, self.max_nodes, self.logits = tokens, tokens.shape[1], []
+
+    def prepare(self, device):
+        pass
+
+    def expanded(self, vocab: int) -> int:
+        return self.max_nodes
+
+    def grow_rows(self, root_logits: torch.Tensor, expand) -> Grown:
+        self.logits.append(root_logits)
+        a, k = self.tokens.shape
+        for i in range(k):
+            node = torch.full((a, 1), i)
+            self.logits.append(expand(Level(node, self.tokens[:, i : i + 1], node - 1, i + 1))[:, 0])
+        return Grown(self.tokens, torch.arange(-1, k - 1).expand(a, k), is_chain=True)
+
+
+def forced_logits(d: MoADrafter, target, ids: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The drafter's logits through its decoding path for the root ids[n] (the target's cache holding ids[:n]) and the
+    k tokens after it drafted as a chain -> [k + 1, V]."""
+    prefix = target.new_cache()
+    target.forward(ids[:, :n], prefix, logits_rows=slice(0, 0))
+    state = TargetState(tokens=ids[:, : n + 1], hidden=None, kv=cache_kv(prefix))
+    policy, d.policy = d.policy, Forced(ids[:, n + 1 : n + 1 + k])
+    d.prefill_rows(state)
+    d.propose_rows(state)
+    forced, d.policy = d.policy, policy
+    return torch.cat(forced.logits)
+
+
 @pytest.mark.parametrize("tli", [0, 1, 2])
 def test_training_prediction_equals_drafting(tli):
     target, net, ids, kv = setup(tli)
@@ -72,16 +108,12 @@ def test_training_prediction_equals_drafting(tli):
         _, _, logits = MoADrafter.predict(net, target, ids, kv, torch.ones(1, t, dtype=torch.long), starts)
     d = MoADrafter(target, net=net)
     checked = 0
-    with torch.no_grad():
-        for n in sorted(set(starts[0].tolist())):  # every block: activations up to n, queries n+1 ..
-            d.prefill(None)
-            prefix = target.new_cache()
-            target.forward(ids[:, : n + 1], prefix, logits_rows=slice(0, 0))
-            state = TargetState(tokens=ids[:, : n + 2], hidden=None, kv=cache_kv(prefix))
-            for q in [i for i in range(t) if starts[0, i] == n and i > n]:  # (a block start sees itself: never drafted)
-                got = d._root_logits(ids[:, : q + 1], state)
-                torch.testing.assert_close(got, logits[0, q], atol=1e-4, rtol=1e-4)
-                checked += 1
+    for n in sorted(set(starts[0].tolist())):  # every block: activations up to n, queries n+1 ..
+        block = [i for i in range(t) if starts[0, i] == n and i > n]  # (a block start sees itself: never drafted)
+        if block:  # the root n+1, then the block's tokens drafted as a chain
+            got = forced_logits(d, target, ids, n + 1, len(block) - 1)
+            torch.testing.assert_close(got, logits[0, block], atol=1e-4, rtol=1e-4)
+            checked += len(block)
     assert checked >= 8
 
 
@@ -234,16 +266,10 @@ def test_tli_drafting_without_the_targets_cache_is_the_authors_and_lossless():
     ours = MoADrafter(target, net=net, tree=tree)
     theirs = MoADrafter(target, net=net, module={"tli_context": "none"}, tree=tree)
     n = ids.shape[1] - 1
-    prefix = target.new_cache()
-    target.forward(ids[:, :n], prefix, logits_rows=slice(0, 0))
-    state = TargetState(tokens=ids, hidden=None, kv=cache_kv(prefix))
     seen = []
     hook = net.cross_attention.register_forward_hook(lambda m, i, out: seen.append(out))
     with torch.no_grad():
-        logits = {}
-        for name, d in (("ours", ours), ("theirs", theirs)):
-            d.prefill(None)
-            logits[name] = d._root_logits(ids, state)
+        logits = {name: forced_logits(d, target, ids, n, 0)[0] for name, d in (("ours", ours), ("theirs", theirs))}
         # theirs by hand: the root's o^ through the last target layer over itself alone, the final norm, the LM head
         o = seen[-1]  # [1, 1, E]
         empty = torch.zeros(1, target.model.config.num_key_value_heads, 0, target.decoder.layers[-1].self_attn.head_dim)

@@ -275,8 +275,9 @@ def test_the_batch_sweep_table_and_figure(tmp_path, tiny_checkpoint):
     base = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in md.splitlines()
             if line.startswith("| mtbench")}
     assert base["mtbench: turns ≠ batch 1"] == ["0 / 4", "0 / 4 |"]
-    # the experiment decodes batch 1 through the batch's path (decoding.ragged), and the caption reads it from the runs
-    assert "every B, batch 1 included (decoding.ragged), decodes ragged rows" in md
+    # the experiment decodes batch 1 through the batch's path (the one path since issue 77), and the caption reads it
+    # from the runs
+    assert "every B, batch 1 included, decodes ragged rows" in md
     # each drafter's throughput / peak memory per B (memory '–' where the device reports none)
     use = next(line.split(" | ") for line in md.splitlines() if line.startswith("| pld (paper) | mtbench"))
     assert len(use) == 4 and all(re.fullmatch(r"\d+\.\d / (\d+\.\d\d|–)( \|)?", c) for c in use[2:]), use

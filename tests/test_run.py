@@ -478,8 +478,8 @@ def test_batches_depend_only_on_the_repeat_and_the_question():
 
 
 def test_the_batch_path_at_batch_1_names_its_runs_and_the_default_keeps_the_old_names():
-    """decoding.ragged=true is in the run name (its B = 1 is another path); false (the default) is not, so every
-    batch-1 run keeps the name it was committed under."""
+    """decoding.ragged (gone with issue 77: every B decodes one path) is in the names of the runs of then that set it
+    true; false, as a record of then says, is not, so a run of today keeps the name of those."""
     from specbench.bench.run import run_key, run_name
 
     base = {"model": {"name": "m"}, "drafter": {"name": "none"}, "dataset": {"name": "d"}, "repeats": 1, "seed": 0}

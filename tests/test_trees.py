@@ -153,7 +153,7 @@ def test_sd_tree_rows_equal_a_plain_forward(kind):
         tokens = torch.cat([tokens, torch.tensor([extra], dtype=torch.long)], 1)
         seen.clear()
         drafter.propose(TargetState(tokens=tokens, hidden=None, kv=None))
-        assert seen and drafter.cache.get_seq_length() == tokens.shape[1]
+        assert seen and drafter.cache.cache.get_seq_length() == tokens.shape[1]  # (its DraftCache's)
         parent_of, tok = {}, {}
         for nodes, toks, parents, logits in seen:
             parent_of.update(zip(nodes, parents))

@@ -222,11 +222,10 @@ VERIFY_REPEATS = 7  # timed rounds of the target's forwards per calibration (aft
 
 @torch.inference_mode()
 def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: int = VERIFY_REPEATS,
-                batch: int = 1, ragged: bool = False) -> TargetCost:
+                batch: int = 1) -> TargetCost:
     """One target forward over `batch` rows of Q new tokens each, behind `context` cached ones, per Q in `sizes`, on
-    the path the engine takes: the run's cache (model.cache; model.compile's static one) at batch 1, and at batch B
-    (or with `ragged`, decoding.ragged, at any B) generate_batch's (a preallocated cache, or model.compile's static one
-    of the batch's bucket, a per-row 4D mask and positions, even for one token). The sizes are timed
+    the path the engine takes at every B (a preallocated cache, or model.compile's static one of the batch's bucket,
+    a per-row 4D mask and positions; none for a lone row's one token, as the engine's lone chain). The sizes are timed
     in rounds (each round one forward per size, the first round a warm-up), so that a host whose speed drifts during
     the calibration shifts every size alike: the model reads verify(Q) against verify(1), and timing the sizes one
     after another once made that ratio the drift's (AMD EPYC, 2026-11-25: Q = 8 timed 91, 116 and 128 ms in three
@@ -236,10 +235,8 @@ def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: in
     ids = torch.randint(0, target.vocab_size, (batch, context), generator=g).to(dev)
     room = context + max(sizes)
 
-    lone = batch == 1 and not ragged  # the target's own path (its cache kind, the causal mask for one token)
-
     def new_cache():
-        return target.new_cache(room, batch=batch, ragged=not lone)
+        return target.new_cache(room, batch=batch, ragged=True)
 
     prefills = []
     for _ in range(3):  # the prefill of a run's prompt
@@ -258,13 +255,12 @@ def time_verify(target, prompt: int, context: int, sizes: list[int], repeats: in
         for q in sizes:
             sync(dev)
             t0 = time.perf_counter()
-            if lone:
-                target.verify(ids[:, -1:], tokens[q], anc[q], cache, causal=q == 1)
-            else:  # as generate_batch: every row's mask and positions built per step, on the device
-                lengths = torch.full((batch,), context, device=dev)
-                mask = batch_tree_mask(anc[q][None].expand(batch, q, q), lengths, context + q, target.dtype)
-                pos = tree_position_ids(anc[q], context).expand(batch, q)
-                target.forward(torch.cat([ids[:, -1:], tokens[q]], 1), cache, position_ids=pos, attention_mask=mask)
+            # as generate_batch: every row's mask and positions built per step, on the device
+            lengths = torch.full((batch,), context, device=dev)
+            mask = (None if batch == 1 and q == 1 else
+                    batch_tree_mask(anc[q][None].expand(batch, q, q), lengths, context + q, target.dtype))
+            pos = tree_position_ids(anc[q], context).expand(batch, q)
+            target.forward(torch.cat([ids[:, -1:], tokens[q]], 1), cache, position_ids=pos, attention_mask=mask)
             sync(dev)
             if r:
                 times[q].append(time.perf_counter() - t0)
@@ -295,8 +291,7 @@ def timed_depths(depth: int, count: int) -> list[int]:
 
 
 def calibrate_drafter(target, make_drafter: Callable[[dict], Drafter], base: dict, prompts: list[list[int]],
-                      new_tokens: int, topks: list[int], batch: int = 1, ragged: bool = False,
-                      depths: int = 3) -> DrafterCost:
+                      new_tokens: int, topks: list[int], batch: int = 1, depths: int = 3) -> DrafterCost:
     """The drafter's costs on this device. At batch B > 1 the draft, overhead and prefill are timed on B calibration
     prompts decoded together (the prompts repeated to B rows), as the run decodes; acceptance is traced at batch 1
     either way (a row accepts what it accepts alone). The draft time is measured at `depths` depths per top-k
@@ -307,12 +302,9 @@ def calibrate_drafter(target, make_drafter: Callable[[dict], Drafter], base: dic
     rows = [prompts[i % len(prompts)] for i in range(batch)]
 
     def per_step(drafter: Drafter, tokens: int) -> tuple[float, float, float, int]:
-        if batch == 1 and not ragged:
-            return _per_step([Engine(target, drafter, greedy).generate(p, tokens) for p in prompts[:2]])
-        return _batch_per_step(Engine(target, drafter, greedy, ragged=ragged).generate_batch(rows, tokens))
+        return _batch_per_step(Engine(target, drafter, greedy).generate_batch(rows, tokens))
 
-    if batch > 1 or ragged:
-        Engine(target, make_drafter(base), greedy, ragged=ragged).generate_batch(rows, 8)  # warm-up at this B
+    Engine(target, make_drafter(base), greedy).generate_batch(rows, 8)  # warm-up at this B
     dynamic = base["kind"] == "dynamic"
     widths = sorted({k for k in topks if k <= base["topk"]} | {base["topk"]}) if dynamic else [0]
     top, deepest = (base["topk"] if dynamic else 0), base_depth(base)
@@ -384,7 +376,7 @@ class AutoConfig:
 
 def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter], drafter_key: dict,
                 prompts: list[list[int]], run_prompts: list[list[int]], run_tokens: int, cache_root: str,
-                model: str, batch: int = 1, ragged: bool = False) -> tuple[dict, dict]:
+                model: str, batch: int = 1) -> tuple[dict, dict]:
     """The tuned tree (a conf/tree dict) and the record that explains it (written into run.json). `prompts`: the
     calibration questions (acceptance, draft cost); `run_prompts`: the run's own, whose length sets the target's
     prefill and verification costs (a long-prompt set makes every verification dearer). `batch`: the run's
@@ -399,18 +391,18 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
             # (True: inductor's; another backend's name keeps its timings apart)
             **({"compile": target.compiled.backend} if target.compiled is not None else {}),
             **({"batch": batch} if batch > 1 else {}),
-            **({"ragged": True} if ragged else {})}
+            # batch 1 on the batch's path (issue 77): the files of decoding.ragged=true's, the lone path's apart
+            **({"ragged": True} if batch == 1 else {})}
     tpath = cache_path(cache_root, target.device, model, target.dtype, "target",
                        {"prompt": prompt, "context": context, "sizes": sizes, **path,
                         "timing": f"rounds of every size, median of {VERIFY_REPEATS}"})  # older files timed sizes in turn
-    tcost, tpath = cached(tpath, lambda: time_verify(target, prompt, context, sizes, batch=batch, ragged=ragged),
+    tcost, tpath = cached(tpath, lambda: time_verify(target, prompt, context, sizes, batch=batch),
                           TargetCost)
     key = {**drafter_key, "base": base, "calibration": asdict(auto) | {"prompts": prompts}, **path}
-    if batch > 1 or ragged:  # the draft timed at this B, all rows in the same forwards (older files: one row's, B times)
-        key["draft_timed"] = "batch"
+    key["draft_timed"] = "batch"  # the draft timed at this B, all rows in the same forwards (older files: one row's)
     dpath = cache_path(cache_root, target.device, model, target.dtype, drafter_key.get("name", "drafter"), key)
     dcost, dpath = cached(dpath, lambda: calibrate_drafter(target, make_drafter, base, prompts, auto.new_tokens,
-                                                          auto.topks, batch, ragged, auto.timed_depths),
+                                                          auto.topks, batch, auto.timed_depths),
                           DrafterCost)
     typical = min(run_prompts, key=lambda p: abs(len(p) - prompt))  # the run prompt nearest the mean length
     spath = cache_path(cache_root, target.device, model, target.dtype, f"{drafter_key.get('name', 'drafter')}-context",

@@ -66,7 +66,7 @@ def run_key(model: dict, drafter: dict, dataset: dict, decoding: dict, repeats: 
         drafter["module"] = cls.decoding_options(dict(drafter["module"]))  # its training-only options do not count
     if decoding.get("batch_size", 1) == 1:  # batch 1 is how every run was decoded before the option: same names
         decoding = {k: v for k, v in decoding.items() if k != "batch_size"}
-    if not decoding.get("ragged", False):  # (likewise: only a run that sets it has it in its name)
+    if not decoding.get("ragged", False):  # (decoding.ragged, gone with issue 77: records of then that set it false)
         decoding = {k: v for k, v in decoding.items() if k != "ragged"}
     return {"model": model, "drafter": drafter, "dataset": dataset, "decoding": decoding, "repeats": repeats,
             "seed": seed}
@@ -278,7 +278,7 @@ class Runner:
                                      lambda t: self._instantiate(build(t), self.cfg.drafter.name),
                                      {"name": self.cfg.drafter.name, **key}, prompts, run_prompts,
                                      self.decoding.max_new_tokens, self.model_cfg.cache_dir, self.model_cfg.name,
-                                     batch=self.decoding.batch_size, ragged=self.decoding.ragged)
+                                     batch=self.decoding.batch_size)
 
     def _instantiate(self, spec: dict, name: str | None) -> Drafter:
         try:
@@ -357,7 +357,7 @@ class Runner:
                 **({"baseline": {k: timed[k] for k in ("run", "date", "commit")}} if timed is not None else {}),
             })
         if todo:
-            engine = Engine(self.target, drafter, self.decoding.sampling(), ragged=self.decoding.ragged)
+            engine = Engine(self.target, drafter, self.decoding.sampling())
             with sdpa_context(self.bench.sdpa, self.target.device):
                 self._decode(run_dir, engine, todo, baseline, node.name)
         base_records = baseline.records() if baseline else None
@@ -380,14 +380,13 @@ class Runner:
         if compiled is not None:  # the static caches at the largest size any turn can need, before any graph is built on
             # them: the batch's and, for a last group of one prompt, one row's (the engine gives a batch's cache a
             # tree's room past the context)
-            ragged = size > 1 or self.decoding.ragged
-            most = self._largest_need(todo, context) + (TREE_ROOM if ragged and context else 0)
-            self.target.new_cache(most, ragged=self.decoding.ragged)
+            most = self._largest_need(todo, context) + (TREE_ROOM if context else 0)
+            self.target.new_cache(most, ragged=True)
             if size > 1:
                 self.target.new_cache(most, batch=size, ragged=True)
         # bench.paired: the baseline decoded beside each timed turn (same prompts, budgets and seeds), so that the
         # speedup is a ratio of times taken seconds apart, whatever the host's speed does over the sitting
-        pair = (Engine(self.target, NoDrafter(self.target), self.decoding.sampling(), ragged=self.decoding.ragged)
+        pair = (Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
                 if self.bench.paired and not isinstance(engine.drafter, NoDrafter) else None)
         for _ in range(self.bench.warmup):  # untimed: kernels, allocator, caches; the first prompt in every row
             ids = self.prompt_ids(todo[0][1], 0, [])
@@ -482,7 +481,7 @@ class Runner:
             if pair is not None and live:
                 self._pairs += 1
             batch = None
-            if out is not None:  # decoding.batch_size > 1 (or a ragged batch of one)
+            if out is not None:  # decoding.batch_size > 1
                 batch = {"id": f"{members[0][0]}/{members[0][1].question_id}/{turn}", "size": len(live),
                          "wall_s": out.wall_s, "steps": out.steps, **({"paired": paired} if paired else {})}
             yield DecodedTurn(turn, members, prompts, budgets, gens, batch, peak, paired)
@@ -532,7 +531,7 @@ class Runner:
         j = row["first_divergence"]
         if j is None or j >= min(len(ref), len(g.new_tokens)):  # equal, or one output a prefix of the other
             return row
-        replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling(), ragged=self.decoding.ragged)
+        replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
         if self.decoding.batch_size == 1:
             kind = divergence.classify(replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)
         else:

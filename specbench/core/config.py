@@ -67,9 +67,7 @@ class DecodingConfig:
     top_p: float = 1.0
     top_k: int = 0
     batch_size: int = 1  # prompts decoded together (Engine.generate_batch); 1 = one at a time, as every paper measures
-    # B = 1 through the batch's path too (a preallocated cache of ragged rows, per-row masks): a B-sweep's B = 1 -> 2
-    # step is then batching alone (batch_sweep sets it); false: batch 1 on model.cache and the causal mask
-    ragged: bool = False
+    # (every B, 1 included, decodes through one path since issue 77: no `ragged` option any more)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)

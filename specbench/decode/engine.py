@@ -8,9 +8,9 @@ size: `generate` is `generate_batch` of one prompt.
    accepted path + bonus/recovered token;
 5. one host transfer reads the trees and their outcomes; compact the target cache to the accepted paths, tell the
    drafter; a row stops at EOS or its max_new_tokens and leaves the batch (specbench/decode/rows.py).
-A batch of one keeps the target's own cache kind (model.cache, model.compile), a chain verified under the model's
-causal mask; a larger batch writes ragged rows into a preallocated cache (model.compile: the static cache of its batch
-bucket) under explicit per-row masks.
+Every batch size, 1 included, takes this one path (issue 77): ragged rows in a preallocated cache (model.compile: the
+static cache of its batch bucket) under explicit per-row masks and positions; a lone row's chain skips its mask (the
+model's causal one says the same: an optimisation, not another path).
 Host round trips per step: the drafter's own (none per node for the tree drafters) plus that one transfer
 (tests/test_roundtrips.py bounds both).
 """
@@ -26,8 +26,8 @@ from specbench.decode.kvcache import StaticCache
 from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, check_batched, rows_protocol
 from specbench.decode.sampling import logits_to_probs, sample
 from specbench.decode.rows import Row, RowCounts, Rows
-from specbench.decode.target import TargetModel, cache_kv, compact_cache, compact_rows
-from specbench.decode.tree import ancestor_matrices, batch_tree_mask, is_chain, node_depths, tree_attention_mask
+from specbench.decode.target import TargetModel, cache_kv, compact_rows
+from specbench.decode.tree import ancestor_matrices, batch_tree_mask, is_chain, node_depths
 from specbench.decode.types import DraftTree, SamplingParams, TargetState, VerifyResult
 from specbench.decode.verify import greedy_accept_rows, rejection_accept_rows
 
@@ -133,18 +133,13 @@ class BatchGeneration:
 
 
 class Engine:
-    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False,
-                 ragged: bool = False):
+    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False):
         """trace=True keeps every step's tree, drafted tokens and accepted path (host reads of each row's tokens and
-        priorities per step: calibration and tests only).
-        ragged=True (decoding.ragged): a batch of one prompt goes through the batch's path too (a preallocated cache
-        of ragged rows, per-row masks and positions, the drafters' ragged caches), so that B = 1 and B > 1 differ only
-        by batching; the default keeps batch 1 on the target's cache kind and the causal mask."""
+        priorities per step: calibration and tests only)."""
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
-        self.ragged = ragged
 
     def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: RowCounts, cache,
-               ragged: bool, layers: torch.Tensor | None, capacity: int) -> TargetState:
+               layers: torch.Tensor | None, capacity: int) -> TargetState:
         """What the drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]),
         the cache's K/V, the EAGLE-3 layers."""
         needs = self.drafter.needs
@@ -159,8 +154,8 @@ class Engine:
             sampling=self.sampling,
             generator=gens[0] if len(gens) == 1 else None,
             capacity=capacity,
-            lengths=lengths if ragged else None,
-            fresh=fresh if ragged else None,
+            lengths=lengths,
+            fresh=fresh,
             generators=gens,
         )
 
@@ -190,24 +185,20 @@ class Engine:
                                   None if capture_at is None else {0: capture_at})
         return out.rows[0]
 
-    def _prefill(self, prompts: list[list[int]], cache, ragged: bool, layers: tuple[int, ...],
+    def _prefill(self, prompts: list[list[int]], cache, layers: tuple[int, ...],
                  generators: list[torch.Generator | None]):
         """The prompts through the target -> (the prompts [A, L] (right-padded), the forward, each row's first token [A]
-        on the device, the logits that chose them [A, V], their host ints). Ragged prompts are right-padded under the causal mask (a real token never sees
-        the padding after it), each row's first token read at its own last position."""
+        on the device, the logits that chose them [A, V], their host ints). Ragged prompts are right-padded under the
+        causal mask (a real token never sees the padding after it), each row's first token read at its own last
+        position."""
         target, dev = self.target, self.target.device
-        if not ragged:
-            ids = torch.tensor(prompts, device=dev)  # [1, L]
-            fwd = target.prefill(ids, cache, layers=layers)
-            logits = fwd.logits[:, -1]  # [1, V]
-        else:
-            lens = [len(p) for p in prompts]
-            width = max(lens)
-            ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [A, L]
-            fwd = target.forward(ids, cache, logits_rows=slice(0, 0), layers=layers)
-            last = torch.tensor([n - 1 for n in lens], device=dev)
-            logits = target.lm_head(fwd.hidden[torch.arange(len(prompts), device=dev), last]).float()  # [A, V]
-            cache.set_row_lengths(lens)
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [A, L]
+        fwd = target.forward(ids, cache, logits_rows=slice(0, 0), layers=layers)
+        last = torch.tensor([n - 1 for n in lens], device=dev)
+        logits = target.lm_head(fwd.hidden[torch.arange(len(prompts), device=dev), last]).float()  # [A, V]
+        cache.set_row_lengths(lens)
         if self.sampling.greedy:
             first = logits.argmax(-1)
         else:
@@ -215,19 +206,17 @@ class Engine:
                                for r, g in enumerate(generators)])
         return ids, fwd, first, logits, first.tolist()
 
-    def _geometry(self, tree: DraftTree, rows: Rows, ragged: bool):
+    def _geometry(self, tree: DraftTree, rows: Rows):
         """The step's forward inputs for every live row: ids [A, Q] (root, then the nodes), positions [A, Q], the
-        additive mask (None: a lone row's chain, under the model's causal mask) and the ancestor matrices [A, Q, Q]."""
+        additive mask [A, 1, Q, W] (None for a lone row's chain: the model's causal mask says the same, and the cache
+        of one row is not ragged) and the ancestor matrices [A, Q, Q]."""
         anc = ancestor_matrices(tree.parents)  # [A, Q, Q]
         depth = anc.sum(-1)  # [A, Q] ancestors counting itself: the root 1, its children 2, ...
         roots = rows.ids.gather(1, rows.prefix.dev[:, None])  # [A, 1] the last verified token, at index prefix
         ids = torch.cat([roots, tree.tokens], 1)
-        if not ragged:  # one row: its prefix is a host int, the cache's own length
-            prefix = rows.prefix[0]
-            mask = None if tree.is_chain else tree_attention_mask(anc[0], prefix, self.target.dtype)
-            return ids, prefix - 1 + depth, mask, anc
         q = anc.shape[-1]
-        mask = batch_tree_mask(anc, rows.prefix.dev, rows.prefix.max() + q, self.target.dtype)  # [A, 1, Q, W]
+        lone_chain = len(rows) == 1 and tree.is_chain
+        mask = None if lone_chain else batch_tree_mask(anc, rows.prefix.dev, rows.prefix.max() + q, self.target.dtype)
         return ids, rows.prefix.dev[:, None] - 1 + depth, mask, anc
 
     @torch.inference_mode()
@@ -236,7 +225,7 @@ class Engine:
                        context: int | None = None, capture_at: dict[int, int] | None = None) -> BatchGeneration:
         """B prompts decoded together: one prefill, then per step the drafter proposes every live row's tree (one
         padded DraftTree), one target forward verifies all rows (per-row tree masks and positions over a ragged
-        preallocated cache when B > 1), acceptance runs for all rows on the device and one host read serves the whole
+        preallocated cache), acceptance runs for all rows on the device and one host read serves the whole
         batch. A finished row leaves the batch (the last live row takes its cache row): the batch shrinks rather than
         refills, so every row of a batch of B is decoded beside the same prompts at every B-sweep point (continuous
         batching would mix in prompts from later batches). At T=0 each row's output is its prompt's greedy output (at
@@ -249,7 +238,6 @@ class Engine:
         generators = list(generators) if generators is not None else [None] * b
         if not (len(budgets) == len(generators) == b) or b == 0:
             raise ValueError(f"{b} prompts, {len(budgets)} budgets and {len(generators)} generators")
-        ragged = b > 1 or self.ragged
         check_batched(self.drafter, b)
         capture_at = capture_at or {}
         lens = [len(p) for p in prompts]
@@ -257,16 +245,13 @@ class Engine:
         t0 = time.perf_counter()
         # the positions a generation can reach: prompt, new tokens, and one tree past them before compaction
         need = max(lens) + max(budgets) + TREE_ROOM
-        if ragged:
-            # ragged rows need buffers written in place: the preallocated cache (model.compile: the static one of a
-            # batch bucket), whatever model.cache says. Bounded by the context plus room for one padded tree: every
-            # row writes the step's widest tree (padding included), so a row near the context still writes up to max
-            # tree nodes past it (a lone row writes only its own tree, which the context check keeps inside)
-            cache = target.new_cache(min(need, context + TREE_ROOM) if context else need, batch=b, ragged=True)
-        else:
-            cache = target.new_cache(min(need, context) if context else need)  # the context bounds it
+        # ragged rows need buffers written in place: the preallocated cache (model.compile: the static one of a batch
+        # bucket), whatever model.cache says. Bounded by the context plus room for one padded tree: every row writes
+        # the step's widest tree (padding included), so a row near the context still writes up to max tree nodes past
+        # it
+        cache = target.new_cache(min(need, context + TREE_ROOM) if context else need, batch=b, ragged=True)
         layer_ids = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()  # EAGLE-3's features
-        prompt_t, fwd, first, logits, first_host = self._prefill(prompts, cache, ragged, layer_ids, generators)
+        prompt_t, fwd, first, logits, first_host = self._prefill(prompts, cache, layer_ids, generators)
         prefix = RowCounts.copy(lens, dev)  # [B] each row's cached entries: its prompt
         ids = torch.zeros(b, need + 1, dtype=torch.long, device=dev)  # every row's verified tokens
         ids[:, : prompt_t.shape[1]] = prompt_t
@@ -285,13 +270,13 @@ class Engine:
                 done.add(r)  # done at the prefill: leaves before the drafter sees it
         hid, lay, fresh = fwd.hidden, fwd.layers, prefix  # (the prompt's hidden rows)
         if done:
-            step = self._leave(rows, done, cache, None, ragged)
+            step = self._leave(rows, done, cache, None)
             hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
             fresh = rows.prefix
         drafter = rows_protocol(self.drafter, len(rows))
         if len(rows):
             # a drafter's own caches: the need, unclamped (a tree past the context is drafted before it is dropped)
-            state = self._state(rows, hid, fresh, cache, ragged, lay, need)
+            state = self._state(rows, hid, fresh, cache, lay, need)
             drafter.prefill_rows(state)
         sync(devs)
         batch = BatchGeneration(rows=gens, wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -308,7 +293,7 @@ class Engine:
             proposed = tree.row_sizes()  # (a dropped tree: every proposed node rejected, from the drafter's side)
             tree = self._within_context(tree, rows, context)
             sizes = tree.row_sizes()
-            x_ids, pos, mask, anc = self._geometry(tree, rows, ragged)
+            x_ids, pos, mask, anc = self._geometry(tree, rows)
             fwd = target.forward(x_ids, cache, position_ids=pos, attention_mask=mask, layers=layer_ids)
             logits = fwd.logits  # [A, Q, V]
             if self.sampling.greedy:
@@ -325,10 +310,7 @@ class Engine:
             paths = [flat[2 * a * n + r * n : 2 * a * n + r * n + lengths_h[r]] for r in range(a)]
             contiguous = all(p == list(range(len(p))) for p in paths)
             accepted = RowCounts(tuple(lengths_h), acc.length)  # each row's accepted nodes
-            if ragged:
-                compact_rows(cache, rows.prefix + 1, acc.path, accepted, contiguous)
-            else:
-                compact_cache(cache, rows.prefix[0], acc.path[0, : lengths_h[0]], contiguous)
+            compact_rows(cache, rows.prefix + 1, acc.path, accepted, contiguous)
             clock.step(td, tv, clock.mark(), [row.gen for row in rows.live])
             batch.steps += 1
             batch.active.append(a)
@@ -363,10 +345,10 @@ class Engine:
             if done:
                 if len(done) == a:
                     break
-                step = self._leave(rows, done, cache, drafter, ragged)
+                step = self._leave(rows, done, cache, drafter)
                 hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
                 fresh, results = fresh.keep(step), [results[i] for i in step.index]
-            state = self._state(rows, hid, fresh, cache, ragged, lay, need)
+            state = self._state(rows, hid, fresh, cache, lay, need)
             drafter.on_verified_rows(results, state)
         clock.resolve()  # (its one wait for the device, where it marked with events)
         sync(devs)
@@ -382,22 +364,19 @@ class Engine:
         over = [r for r, (p, k) in enumerate(zip(rows.prefix, sizes)) if p + 1 + k > context]
         if not over:
             return tree
-        if len(sizes) == 1:
-            return DraftTree.empty(device=tree.tokens.device)
         keep = [0 if r in over else k for r, k in enumerate(sizes)]
         n = max(keep)
         valid = (tree.valid if tree.valid is not None else torch.ones_like(tree.tokens, dtype=torch.bool))
         valid = valid & torch.tensor([r not in over for r in range(len(sizes))], device=valid.device)[:, None]
         return DraftTree(tokens=tree.tokens[:, :n], parents=tree.parents[:, :n],
                          draft_probs=None if tree.draft_probs is None else tree.draft_probs[:, :n],
-                         is_chain=False, priority=None if tree.priority is None else tree.priority[:, :n],
+                         is_chain=n == 0, priority=None if tree.priority is None else tree.priority[:, :n],
                          sizes=keep, valid=valid[:, :n])
 
-    def _leave(self, rows: Rows, done: set[int], cache, drafter, ragged: bool):
+    def _leave(self, rows: Rows, done: set[int], cache, drafter):
         """Finished rows leave the batch: the rows, the cache and the drafter (None: not started yet) reorder alike."""
         step = rows.leave(done)
-        if ragged:
-            cache.leave(step.src, step.dst, len(rows), rows.prefix)
+        cache.leave(step.src, step.dst, len(rows), rows.prefix)
         if drafter is not None:
             drafter.keep_rows(step)
         return step

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import Cache, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from specbench.decode.compiled import CompiledDecoder, CompiledDecoders
 from specbench.errors import SpecbenchError
-from specbench.decode.kvcache import PreallocatedCache, PreallocatedLayer, StaticCache
+from specbench.decode.kvcache import PreallocatedCache, StaticCache
 from specbench.decode.rows import RowCounts
 
 from specbench.decode.tree import tree_attention_mask, tree_position_ids
@@ -77,33 +76,18 @@ class TargetModel:
             return PreallocatedCache(self.model.config, capacity or 1024)
         return DynamicCache(config=self.model.config)
 
-    def drafter_cache(self, config, capacity: int, decoder: nn.Module | None = None, ragged: bool = False,
-                      rows: int = 1) -> Cache:
-        """A cache of the target's kind (model.cache) for a drafter's own decoder of `config` (EAGLE's head, sd's
-        draft model): `capacity` positions, grown past them if it must. Compiled, for a drafter that names its
-        `decoder` and runs it through specbench.compiled.decode: that decoder's static cache for `rows` batch rows
-        (its graphs built on it); a drafter whose layers are not an HF decoder (EAGLE-3, Beagle, MoA) names one of its
-        modules as the key of a static cache of `config`'s layer count, which its own compiled regions write. ragged:
-        the `rows` rows of a batch, each written at its own length: a static cache as above, else a preallocated one,
-        whatever model.cache says (as the engine's own for B > 1)."""
+    def drafter_cache(self, config, capacity: int, decoder: nn.Module | None = None, rows: int = 1) -> Cache:
+        """A drafter's own cache for `config`'s layers (specbench/decode/draftcache.py DraftCache, at every B): a
+        preallocated cache of `capacity` positions, whatever model.cache says, its `rows` rows each written at its
+        own length (grown past the capacity if it must). Compiled, for a drafter that names its `decoder` and runs it
+        through specbench.compiled.decode: that decoder's static cache for `rows` batch rows (its graphs built on it);
+        a drafter whose layers are not an HF decoder (EAGLE-3, Beagle, MoA) names one of its modules as the key of a
+        static cache of `config`'s layer count, which its own compiled regions write."""
         if self.drafter_decoders is not None and decoder is not None:
             # a static cache cannot grow: room for as much as the target's, which is sized to this generation
             held = self.compiled.capacity
             return self.drafter_decoders.cache(decoder, config, max(capacity, held), rows)
-        if ragged or self.cache == "preallocated":
-            return PreallocatedCache(config, capacity)
-        return DynamicCache(config=config)
-
-    def drafter_kv(self, capacity: int, ragged: bool = False) -> CacheLayerMixin:
-        """One attention layer's keys and values for a drafter that keeps them outside an HF decoder (EAGLE-3's
-        mid-layer, Beagle's cross-attention keys, MoA's CA and TLI layers), of the target's kind (model.cache):
-        transformers' DynamicLayer (a torch.cat per append) or a PreallocatedLayer of `capacity` positions (in-place
-        writes, grown past them if it must). Both: update(k, v) appends and returns the whole; crop(-n) drops n.
-        ragged (a batch's rows at their own lengths): a PreallocatedLayer whatever model.cache says. (model.compile:
-        those drafters take a static cache from drafter_cache instead.)"""
-        if ragged or self.cache == "preallocated":
-            return PreallocatedLayer(capacity)
-        return DynamicLayer()
+        return PreallocatedCache(config, capacity)
 
     @torch.inference_mode()
     def forward(

@@ -119,11 +119,19 @@ class TargetState:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None  # the run's RNG, for drafters that sample at T>0
     capacity: int = 0  # positions this generation can reach (prompt + budget + a tree; 0: not said), context or not
-    # ragged rows (a batch): row b's verified tokens are tokens[b, :lengths[b]], its hidden rows hidden[b, :fresh[b]],
-    # its cached entries kv[..., :lengths[b] - 1, :], its RNG generators[b] (None: every row full, as at B=1)
+    # the rows of a batch, ragged (every B, 1 included): row b's verified tokens are tokens[b, :lengths[b]], its hidden
+    # rows hidden[b, :fresh[b]], its cached entries kv[..., :lengths[b] - 1, :], its RNG generators[b]. A state built
+    # without them (a test, a caller of one row) has every row full: __post_init__ says so, so that a drafter reads
+    # them at every B (fresh stays None without hidden rows or layers)
     lengths: RowCounts | None = None
     fresh: RowCounts | None = None
     generators: tuple[torch.Generator | None, ...] | None = None
+
+    def __post_init__(self):
+        if self.lengths is None:
+            self.lengths = RowCounts.copy([self.num_tokens] * self.rows, self.tokens.device)
+        if self.fresh is None and (self.hidden is not None or self.layers is not None):
+            self.fresh = RowCounts.copy([self._fresh_width()] * self.rows, self.tokens.device)
 
     @property
     def num_tokens(self) -> int:
@@ -134,16 +142,12 @@ class TargetState:
         return self.tokens.shape[0]
 
     def num_tokens_rows(self) -> torch.Tensor:
-        """[B] each row's verified tokens, on the device (no host copy where the engine gave them)."""
-        if self.lengths is not None:
-            return self.lengths.dev
-        return torch.full((self.rows,), self.num_tokens, dtype=torch.long, device=self.tokens.device)
+        """[B] each row's verified tokens, on the device."""
+        return self.lengths.dev
 
     def fresh_rows(self) -> torch.Tensor:
         """[B] each row's hidden rows (those just written to the cache), on the device."""
-        if self.fresh is not None:
-            return self.fresh.dev
-        return torch.full((self.rows,), self._fresh_width(), dtype=torch.long, device=self.tokens.device)
+        return self.fresh.dev
 
     def _fresh_width(self) -> int:
         """n: the hidden rows' (or, for a drafter reading only `layers`, the layers' rows') padded count."""
@@ -153,17 +157,11 @@ class TargetState:
         """[B, n] each row's tokens of its hidden rows' entries shifted by one: row b's last fresh[b] verified tokens
         (the pairs (f_i, t_{i+1}) of EAGLE-style drafters), left-aligned as `hidden` (past fresh[b]: stale)."""
         n = self._fresh_width()
-        if self.lengths is None:
-            return self.tokens[:, -n:]
         cols = self.num_tokens_rows()[:, None] - self.fresh_rows()[:, None] + torch.arange(n, device=self.tokens.device)
         return self.tokens.gather(1, cols.clamp(0, self.num_tokens - 1))
 
     def row(self, b: int) -> "TargetState":
         """What row b's drafter reads when it drafts that row alone (batch of one, its own lengths)."""
-        if self.lengths is None:
-            if self.rows != 1:
-                raise ValueError("TargetState.row: a state of several rows without their lengths")
-            return self
         t = self.lengths[b]
         f = self.fresh[b] if self.fresh is not None else None
         return TargetState(

@@ -126,12 +126,14 @@ def predicted_speedup(auto_run: dict | None, variant: str) -> float | None:
 
 
 def _batch_one_path(cells: dict[tuple, dict]) -> str:
-    """How the table's batch-1 runs decoded: through the batch's own path (decoding.ragged: a preallocated cache of
-    ragged rows, per-row masks, as every B > 1) or through model.cache with the causal mask."""
-    ragged = {bool(r["_head"]["config"]["decoding"].get("ragged", False)) for k, r in cells.items() if k[3] == 1}
+    """How the table's batch-1 runs decoded: through the batch's own path (a preallocated cache of ragged rows,
+    per-row masks, as every B > 1: every run since issue 77, whose config has no decoding.ragged, and the runs of
+    before that set decoding.ragged=true) or through model.cache with the causal mask (decoding.ragged=false, the
+    batch runs of before issue 77; batch runs did not exist before the option)."""
+    ragged = {bool(r["_head"]["config"]["decoding"].get("ragged", True)) for k, r in cells.items() if k[3] == 1}
     batched = "ragged rows in a preallocated cache with per-row masks"
     if ragged == {True}:
-        return f"every B, batch 1 included (decoding.ragged), decodes {batched}"
+        return f"every B, batch 1 included, decodes {batched}"
     if ragged == {False}:
         return f"B = 1 decodes on model.cache with the causal mask, B > 1 {batched}"
     if ragged:
