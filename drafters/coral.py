@@ -117,6 +117,28 @@ class CoralDrafter(HassDrafter):
 ROUTINGS = ("grouped", "masked")
 
 
+def sync_free_groups(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether F.grouped_mm runs on `device` without a host round trip: on the CPU ATen loops over the groups reading
+    their offsets from the same memory (no device to wait for); on CUDA its bf16 kernel (sm 9.x and 10.x) reads them
+    on the device, while its fallback (other dtypes, other GPUs) copies them to the host, a sync at every tree level."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+@torch.library.custom_op("specbench::group_matmul", mutates_args=())
+def group_matmul(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """x [P, H] rows sorted by group (group i's end at ends[i], int32 [N]) times their group's w [N, G, H] -> [P, G].
+    An op of its own so that a compiled region holds it whole: grouped_mm's fake kernel takes bf16 only, where ATen
+    runs it in any dtype on the CPU (the compiled tests' fp32)."""
+    return F.grouped_mm(x, w.transpose(1, 2), offs=ends)
+
+
+@group_matmul.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
 class LMHeadRouter(nn.Module):
     """Eq. 7: group logits W h [..., N] for a vocabulary of `vocab` tokens in N contiguous groups."""
 
@@ -129,6 +151,9 @@ class LMHeadRouter(nn.Module):
         self.proj = nn.Linear(hidden, groups, bias=False)
         self.vocab, self.groups, self.active, self.routing = vocab, groups, active, routing
         self.group_size = -(-vocab // groups)  # the last group may be shorter
+        # `grouped` through one grouped matmul (else the whole head, `masked`'s q): set by the drafter for its device
+        # and dtype (sync_free_groups), decided outside a compiled region; the CPU's answer by default
+        self.grouped_mm = True
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(h)
@@ -144,32 +169,37 @@ class LMHeadRouter(nn.Module):
 
     def log_probs(self, weight: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         """Eq. 8 over each row's top-`active` groups. weight [V, H] (the LM head's), f [..., H] -> log q [..., V]
-        (-inf outside the row's active groups). `grouped` computes only the active groups' rows of the LM head (the
-        paper's saving; a host read of the choices per call); `masked` computes the whole head in one matmul and
-        keeps the active groups (no host read: one sync per step, the tree one compiled region; the same q)."""
+        (-inf outside the row's active groups). `grouped` multiplies only the active groups' rows of the LM head (the
+        paper's saving), `masked` the whole head in one matmul, keeping the active groups (the same q). Neither reads
+        the device: fixed shapes, so a tree grows in one compiled region either way."""
         shape, f = f.shape, f.reshape(-1, f.shape[-1])
         log_r = self.proj(f.to(self.proj.weight.dtype)).float().log_softmax(-1)  # [R, N]
         top = log_r.topk(self.active, dim=-1).indices  # [R, k]
-        if self.routing == "masked":
-            return self._masked(weight, f, log_r, top).reshape(*shape[:-1], self.vocab)
-        out = torch.full((f.shape[0], self.vocab), float("-inf"), device=f.device)
-        x = f.to(weight.dtype)
-        # each active group's rows of the LM head once, for the rows that chose it; which rows chose which group is
-        # read once (a host round trip per call, none per group) and the row indices go back in one copy
-        chosen: dict[int, list[int]] = {}
-        for r, groups in enumerate(top.tolist()):
-            for g in groups:
-                chosen.setdefault(g, []).append(r)
-        order = sorted(chosen)
-        flat = torch.tensor([r for g in order for r in chosen[g]], device=f.device)
-        start = 0
-        for g in order:
-            rows = flat[start : start + len(chosen[g])]
-            start += len(chosen[g])
-            lo, hi = g * self.group_size, min((g + 1) * self.group_size, self.vocab)
-            inner = F.linear(x[rows], weight[lo:hi]).float().log_softmax(-1)  # in-group softmax, [r, hi-lo]
-            out[rows, lo:hi] = inner + log_r[rows, g : g + 1]
-        return out.reshape(*shape[:-1], self.vocab)
+        route = self._masked if self.routing == "masked" else self._grouped
+        return route(weight, f, log_r, top).reshape(*shape[:-1], self.vocab)
+
+    def _grouped(self, weight: torch.Tensor, f: torch.Tensor, log_r: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        """log q [R, V] from the active groups' rows only: the R k (row, group) pairs sorted by group, each group's
+        rows times its LM-head rows in one grouped matmul (group_matmul, its group offsets on the device), the
+        in-group log-softmax, + log r_g, scattered back into a -inf [R, V]. The same per-group products (the same
+        rows in the same order against the same weight rows) as when each group's rows were read on the host."""
+        if not self.grouped_mm:  # no grouped matmul without a sync on this device: the whole head, the same q
+            return self._masked(weight, f, log_r, top)
+        r, k, n, g = f.shape[0], self.active, self.groups, self.group_size
+        pad = n * g - self.vocab  # a last group shorter than G: the head padded, a copy at every call (the vocabularies
+        # here divide by N: 49152, Llama 3's 128256 and Qwen2.5's 152064 by 16, so theirs is a view)
+        w = (weight if pad == 0 else F.pad(weight, (0, 0, 0, pad))).reshape(n, g, -1)  # [N, G, H]
+        pair_group = top.reshape(-1)  # [P = R k]: pair p is row p // k's (p % k)-th group
+        order = pair_group.argsort(stable=True)  # [P] pairs by group, rows ascending within a group
+        rows, groups = order.div(k, rounding_mode="floor"), pair_group[order]  # [P] each
+        ends = torch.zeros(n, dtype=torch.int32, device=f.device).scatter_add_(
+            0, pair_group, torch.ones_like(pair_group, dtype=torch.int32)).cumsum(0, dtype=torch.int32)  # [N]
+        logits = group_matmul(f.to(weight.dtype)[rows], w, ends).float()  # [P, G]: each pair's group's head rows
+        col = groups[:, None] * g + torch.arange(g, device=f.device)  # [P, G] each pair's token ids (padded: >= V)
+        inner = logits.masked_fill(col >= self.vocab, float("-inf")).log_softmax(-1)  # the padding out of the softmax
+        out = torch.full((r, n * g), float("-inf"), device=f.device)
+        out[rows[:, None], col] = inner + log_r[rows, groups][:, None]  # (row, token) pairs are distinct
+        return out[:, : self.vocab]
 
     def _masked(self, weight: torch.Tensor, f: torch.Tensor, log_r: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
         """log q [R, V] from the whole LM head: per group log r_g + the in-group log-softmax, -inf where not active."""
@@ -186,7 +216,7 @@ class CoralRouterOptions:
     base: str | None = None  # the trained stage-1 CORAL head (training only: the router checkpoint holds it too)
     groups: int = 16  # N vocabulary groups (paper's best: 16)
     active: int = 2  # top-k groups active while drafting (paper's best: 2)
-    routing: str = "grouped"  # decoding only: grouped (the active groups' LM-head rows) | masked (LMHeadRouter.log_probs)
+    routing: str = "grouped"  # decoding only: grouped (the active groups' head rows) | masked (LMHeadRouter.log_probs)
 
 
 @functools.lru_cache(maxsize=8)
@@ -204,13 +234,6 @@ class CoralRouterDrafter(CoralDrafter):
     Options = CoralRouterOptions
     prunable = False  # the router already restricts the LM head to its active groups (module.draft_vocab refused)
 
-    @property
-    def traceable(self) -> bool:
-        # `grouped` reads each row's chosen groups on the host (LMHeadRouter.log_probs): a graph would break there
-        # and specialise on the groups, so with model.compile its levels stay eager between the compiled head
-        # forwards; `masked` has no host read and grows the tree in one compiled region, as eagle's
-        return self.head.router.routing == "masked"
-
     @staticmethod
     def head_options(opts: CoralRouterOptions) -> CoralOptions:
         """The stage-1 head's options: those `base` was trained with (its record), or CORAL's defaults."""
@@ -226,6 +249,7 @@ class CoralRouterDrafter(CoralDrafter):
         head.requires_grad_(False)  # stage 2 trains the router only
         head.router = LMHeadRouter(target.hidden_size, target.lm_head.weight.shape[0], opts.groups, opts.active,
                                    opts.routing)
+        head.router.grouped_mm = sync_free_groups(target.lm_head.weight.device, target.lm_head.weight.dtype)
         return head.to(target.device)
 
     @classmethod

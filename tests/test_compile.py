@@ -112,12 +112,13 @@ def test_every_drafter_decodes_a_batch_compiled(compiled, name, monkeypatch):
         assert isinstance(own, StaticCache)
 
 
-def test_masked_routing_grows_coral_routers_tree_in_the_compiled_region(compiled, monkeypatch):
-    """coral_router's `grouped` routing reads the rows' groups on the host, so its levels stay eager; `masked` has
-    no host read and grows the tree in the one compiled region, as eagle's: lossless at B = 1 and B = 3."""
-    assert not make_drafter("coral_router", compiled).traceable
-    drafter = make_drafter("coral_router", compiled, "drafter.module.routing=masked")
-    assert drafter.traceable
+@pytest.mark.parametrize("routing", ["grouped", "masked"])
+def test_coral_routers_tree_grows_in_the_compiled_region(compiled, routing, monkeypatch):
+    """coral_router's routings have no host read (`grouped`: the active groups' rows in one grouped matmul, its group
+    sizes on the device; `masked`: the whole head), so either grows the tree in the one compiled region, as eagle's:
+    lossless at B = 1 and B = 3, and the warm graphs recompile nothing."""
+    drafter = make_drafter("coral_router", compiled, f"drafter.module.routing={routing}")
+    assert drafter.traceable and drafter.head.router.routing == routing
     grows = []
     grow = drafter.region.grow
     monkeypatch.setattr(drafter.region, "grow", lambda *a: grows.append(1) or grow(*a))
@@ -126,6 +127,9 @@ def test_masked_routing_grows_coral_routers_tree_in_the_compiled_region(compiled
     out = engine.generate_batch(PROMPTS[:3], 24)
     assert [g.new_tokens for g in out.rows] == [hf_greedy(compiled.model, p, 24) for p in PROMPTS[:3]]
     assert len(grows) >= max(g.steps for g in out.rows)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = engine.generate_batch(PROMPTS[:3][::-1], 24)
+    assert [g.new_tokens for g in out.rows] == [hf_greedy(compiled.model, p, 24) for p in PROMPTS[:3][::-1]]
 
 
 def test_a_batch_recompiles_nothing_once_warm(compiled):
@@ -186,7 +190,7 @@ def test_a_drafters_static_cache_holds_what_the_targets_holds(compiled):
 
 @pytest.mark.parametrize("name,batch,graphs", [("eagle2", 1, 2), ("eagle2", 3, 2), ("eagle", 1, 2), ("sd_tree", 3, 2),
                                                ("eagle3", 3, 2), ("beagle", 1, 2), ("beagle", 3, 2), ("moa_tli1", 1, 2),
-                                               ("moa", 3, 2)])
+                                               ("moa", 3, 2), ("coral_router", 1, 2), ("coral_router", 3, 2)])
 def test_a_draft_tree_grows_in_one_compiled_region(compiled, name, batch, graphs, monkeypatch):
     """Issue 48, item 4: with model.compile, EAGLE-2's propose is two graph replays (the head's forward over the
     verified pairs, then the whole tree: every level's forward, LM head, top-k, scores and gathers) with a few dozen
@@ -247,7 +251,7 @@ def _under(event, prefix: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("name", ["eagle2", "beagle", "moa_tli1"])
+@pytest.mark.parametrize("name", ["eagle2", "beagle", "moa_tli1", "coral_router"])
 def test_a_compiled_tree_is_the_eager_tree(compiled, name):
     """The compiled region drafts what the eager levels draft: every step's tree of a ragged batch of 3, token for
     token (a region that drafted worse trees would still be lossless, only slower: the greedy tests cannot see it).

@@ -155,6 +155,49 @@ def test_masked_routing_is_the_grouped_distribution(vocab, groups, active):
     torch.testing.assert_close(got[finite], want[finite], atol=1e-6, rtol=1e-5)
 
 
+def host_grouped(router: LMHeadRouter, weight: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """`grouped` as it was routed before the device did it (up to 12 host reads a step): each row's groups read on
+    the host, then every chosen group's head rows times the rows that chose it, rows ascending. f [R, H] -> [R, V]."""
+    log_r = router(f).float().log_softmax(-1)
+    out = torch.full((f.shape[0], router.vocab), float("-inf"))
+    chosen: dict[int, list[int]] = {}
+    for r, groups in enumerate(log_r.topk(router.active, dim=-1).indices.tolist()):
+        for g in groups:
+            chosen.setdefault(g, []).append(r)
+    for g, rows in sorted(chosen.items()):
+        lo, hi = g * router.group_size, min((g + 1) * router.group_size, router.vocab)
+        out[rows, lo:hi] = F.linear(f[rows], weight[lo:hi]).float().log_softmax(-1) + log_r[rows, g : g + 1]
+    return out
+
+
+@pytest.mark.parametrize("vocab,groups,active,rows", [(128, 16, 2, 10), (10, 3, 2, 7), (12, 4, 1, 5), (7, 7, 3, 4),
+                                                      (640, 16, 2, 40), (100, 16, 2, 10)])
+def test_grouped_routing_on_the_device_is_the_host_routing_bit_for_bit(vocab, groups, active, rows):
+    """`grouped` sorts the (row, group) pairs by group and multiplies them in one grouped matmul, its group sizes on
+    the device: no host read, and the very numbers of the host-read routing (the same rows against the same head rows
+    per group) where N divides the vocabulary (the models here: 128, 49152, 128256, 152064 by 16). With no sync-free
+    grouped matmul on its device (grouped_mm off) it takes the whole head: `masked`'s q."""
+    from specbench.decode.roundtrips import HostRoundTrips
+
+    torch.manual_seed(vocab + rows)
+    router = LMHeadRouter(hidden=16, vocab=vocab, groups=groups, active=active)
+    weight, f = torch.randn(vocab, 16), torch.randn(rows, 16)
+    with HostRoundTrips() as rt:
+        got = router.log_probs(weight, f)
+    assert not rt.counts, dict(rt.counts)
+    want = host_grouped(router, weight, f)
+    if vocab % groups == 0:
+        assert torch.equal(got, want)
+    else:  # the short group padded to G: its softmax and products over a longer row, last-bit differences there
+        full = vocab // router.group_size * router.group_size  # the groups of G tokens: bit for bit
+        assert torch.equal(got[:, :full], want[:, :full]) and torch.equal(torch.isinf(got), torch.isinf(want))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    router.grouped_mm = False
+    masked = LMHeadRouter(hidden=16, vocab=vocab, groups=groups, active=active, routing="masked")
+    masked.proj.weight.data = router.proj.weight.data
+    assert torch.equal(router.log_probs(weight, f), masked.log_probs(weight, f))
+
+
 def test_an_unknown_routing_is_refused_in_one_line():
     with pytest.raises(ValueError, match="drafter.module.routing='dense': one of grouped, masked"):
         LMHeadRouter(hidden=8, vocab=10, groups=3, active=2, routing="dense")
