@@ -4,7 +4,7 @@ Adding a drafter, in three steps:
 
 1. Write `drafters/<name>.py` with a class implementing `specbench.decode.drafter.Drafter` through the rows
    protocol, which the engine drives at every batch size, 1 included (`RowsDrafter` first in its bases:
-   `prefill_rows(state)`, `propose_rows(state) -> DraftTree`, `on_verified_rows(results, state)`, `keep_rows(leave)`,
+   `prefill_rows(state)`, `propose_rows(state) -> DraftTree`, `on_verified_rows(state)`, `keep_rows(leave)`,
    every live row in the same forwards), and a class-level `needs` (a subset of {"hidden", "kv", "layers"}) naming
    the target outputs it reads from `TargetState`. A drafter with only the one-row methods (`prefill`, `propose`,
    `on_verified`) decodes at batch 1. Its constructor takes `target` (a `specbench.decode.target.TargetModel`, for

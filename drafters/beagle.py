@@ -55,7 +55,7 @@ from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.decode.kvcache import PreallocatedLayer
 from specbench.decode.rows import RowCounts
 from specbench.decode.tree import in_block, up_to_start, visible
-from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, TargetState
 
 
 def window_starts(length: int, window: int, offset: int, device) -> torch.Tensor:
@@ -262,7 +262,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
 
         return self.policy.grow_rows(self._logits(h_root[:, 0]), expand)
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+    def on_verified_rows(self, state: TargetState) -> None:
         self.pending = (state.hidden, state.fresh)  # true states of the root and the accepted path
 
     def keep_rows(self, leave) -> None:

@@ -60,7 +60,7 @@ from specbench.decode.compiled import decode
 from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.decode.rows import RowCounts
 from specbench.errors import SpecbenchError
-from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, TargetState
 from specbench.decode.vocab import COUNTS_FILE, PrunedLMHead, pruned_lm_head
 
 
@@ -314,7 +314,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
 
         return self.policy.grow_rows(self._logits(root_f), expand)
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+    def on_verified_rows(self, state: TargetState) -> None:
         # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})
         self.pending = (state.hidden, state.fresh_tokens(), state.fresh)
 

@@ -63,7 +63,7 @@ from specbench.decode.compiled import Region
 from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.decode.drafter import LAYERS, RowsDrafter, TrainableDrafter
 from specbench.errors import SpecbenchError
-from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, TargetState
 from specbench.decode.vocab import covering_size, frequent_ids
 
 
@@ -540,7 +540,7 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
 
         return self.policy.grow_rows(self.head.target_logits(root_h), expand)
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+    def on_verified_rows(self, state: TargetState) -> None:
         # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)
         self.pending = (state.layers, state.fresh_tokens(), state.fresh)
 

@@ -36,7 +36,7 @@ from drafters.trees import list_order, paths_from_accuracies, sorted_paths
 from specbench.decode.checkpoints import check_keys, resolve
 from specbench.errors import SpecbenchError
 from specbench.decode.tree import is_chain
-from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, TargetState
 
 
 # The sparse tree Medusa's authors decode their published 7B heads with (FasterDecoding/Medusa
@@ -257,7 +257,7 @@ class MedusaDrafter(RowsDrafter, TrainableDrafter):
         return DraftTree(tokens=tokens, parents=self.parents.expand(tokens.shape[0], -1), is_chain=self.is_chain,
                          priority=self.priority.expand(tokens.shape[0], -1))
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+    def on_verified_rows(self, state: TargetState) -> None:
         self.last_h = self._last_hidden(state)
 
     def keep_rows(self, leave) -> None:

@@ -90,7 +90,7 @@ from drafters.layers import layers_config, target_layer
 from drafters.trees import Grown, GrowingTree, make_tree
 from specbench.decode.target import cache_kv, kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask
-from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, TargetState
 
 
 def _dims(cfg) -> tuple[int, int, int, int]:
@@ -553,7 +553,7 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
         return self.policy.grow_rows(
             root_logits, lambda level: rows(level.tokens, book.add(level.nodes, level.parents), level.depth + 1))
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+    def on_verified_rows(self, state: TargetState) -> None:
         pass  # everything the next step needs is read from state.kv / state.tokens in propose_rows
 
     def keep_rows(self, leave) -> None:

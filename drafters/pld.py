@@ -5,13 +5,18 @@ so at T>0 the engine verifies each drafted token with q = 1). Matching follows t
 `prompt_lookup_num_tokens` (PromptLookupCandidateGenerator): n-gram sizes from `max_ngram` down to `min_ngram`, the
 first (leftmost) earlier occurrence that has a continuation, `num_pred_tokens` tokens copied — so `make perf` compares
 the two engines on the same drafts.
+
+The lookup runs on the device, and its draft lengths (which size the next tree on the host) come back in the engine's
+one host read per step: the drafter stages them (`lookahead_rows`, a `Lookahead` of each row's count and start) right
+after a step's verified tokens are written, before that read, and finds them in the next state (`state.lookahead`).
+So its lookup's time falls in the engine's verify phase (StepClock), its draft phase only gathers the tokens.
 """
 from __future__ import annotations
 
 import torch
 
 from specbench.decode.drafter import Drafter, OwnTree, RowsDrafter, chain_paths
-from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, Lookahead, TargetState
 
 
 def lookup_rows(tokens: torch.Tensor, lengths: torch.Tensor, max_ngram: int, min_ngram: int, num_pred: int,
@@ -58,15 +63,22 @@ class PromptLookup(RowsDrafter, Drafter):
         return OwnTree({"kind": "static", "name": f"prompt lookup, up to {n} tokens", "paths": chain_paths(n)},
                        lambda s, cut: {**s, "num_pred_tokens": len(cut["paths"])})
 
-    # every row's lookup in one set of tensor ops, one host read of the draft lengths per step, at every B
+    # every row's lookup in one set of tensor ops on the device. It runs as soon as a step's verified tokens are there
+    # (lookahead_rows, before the engine's host read), and its draft lengths travel in that read: no read of its own,
+    # and a row without a match verifies its root alone (a tree as wide as its longest match, not num_pred_tokens)
     def prefill_rows(self, state: TargetState) -> None:
         pass
 
+    def lookahead_rows(self, tokens: torch.Tensor, lengths: torch.Tensor) -> Lookahead:
+        start, count = lookup_rows(tokens, lengths, self.max_ngram, self.min_ngram, self.num_pred_tokens, self.prefer)
+        return Lookahead(count, start)
+
     def propose_rows(self, state: TargetState) -> DraftTree:
-        lengths = state.num_tokens_rows()
-        start, count = lookup_rows(state.tokens, lengths, self.max_ngram, self.min_ngram, self.num_pred_tokens,
-                                   self.prefer)
-        sizes = count.tolist()  # the step's one read: how many tokens each row drafts
+        look = state.lookahead
+        if look is None:  # a caller that stages nothing (a one-row wrapper, a test's state): the lookup and its read
+            look = self.lookahead_rows(state.tokens, state.num_tokens_rows())
+            look = look.read(look.counts.tolist())
+        start, count, sizes = look.data, look.counts, list(look.host)
         n = max(sizes)
         cols = (start[:, None] + torch.arange(n, device=start.device)).clamp(max=state.tokens.shape[1] - 1)
         tokens = state.tokens.gather(1, cols)  # [B, n]
@@ -75,8 +87,8 @@ class PromptLookup(RowsDrafter, Drafter):
         tree.is_chain = len(set(sizes)) == 1
         return tree
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        pass  # stateless: the context is re-read at every step
+    def on_verified_rows(self, state: TargetState) -> None:
+        pass  # stateless: the next lookup comes with the state (lookahead)
 
     def keep_rows(self, leave) -> None:
-        pass
+        pass  # (the engine reorders the staged lookup with the rows)

@@ -32,7 +32,7 @@ from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.errors import SpecbenchError
 from specbench.decode.rows import RowCounts
 from specbench.decode.sampling import logits_to_probs, sample
-from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, TargetState
 
 
 def small_llama(target, init_layers: list[int]) -> PreTrainedModel:
@@ -263,7 +263,7 @@ class IndependentDrafter(RowsDrafter, TrainableDrafter):
 
         return self.policy.grow_rows(root_logits, expand)
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+    def on_verified_rows(self, state: TargetState) -> None:
         if self.policy is not None:
             return  # the cache holds the verified tokens up to the old root; the new ones are fed at the next propose
         # row b's cache = its verified tokens before this step + drafts x_1..x_{gamma-1}; keep the accepted ones

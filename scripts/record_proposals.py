@@ -36,8 +36,8 @@ class Recording:
             self.trees.append([tree.tokens[0].tolist(), tree.parents[0].tolist()])
         return tree
 
-    def on_verified(self, result, state):
-        self.inner.on_verified(result, state)
+    def on_verified(self, state):
+        self.inner.on_verified(state)
 
 
 def record(names=None, overrides=()) -> dict:

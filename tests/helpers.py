@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specbench.decode.drafter import Drafter
 from specbench.decode.engine import Engine
 from specbench.decode.target import TargetModel
-from specbench.decode.types import DraftTree, SamplingParams, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, SamplingParams, TargetState
 
 
 def tiny_llama(vocab: int = 128, layers: int = 6, hidden: int = 32, seed: int = 0, eos: int | None = None,
@@ -85,7 +85,7 @@ class RandomTreeDrafter(Drafter):
         probs = torch.stack(qs)[None] if self.sampling else None
         return DraftTree(torch.tensor([tokens]), torch.tensor([parents]), probs)
 
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+    def on_verified(self, state: TargetState) -> None:
         pass
 
     # the rows protocol (a test double: row by row in Python, each row's tree as at batch 1, the RNG shared in row
@@ -102,7 +102,7 @@ class RandomTreeDrafter(Drafter):
             trees.append(self.propose(state.row(r)) if state.lengths is not None else self.propose(state))
         return DraftTree.stack(trees)
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
+    def on_verified_rows(self, state: TargetState) -> None:
         pass
 
     def keep_rows(self, leave) -> None:

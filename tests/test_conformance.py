@@ -89,8 +89,8 @@ class Recorder(Drafter):
         self.log.append((state.tokens.clone(), tree.tokens.clone(), tree.parents.clone()))
         return tree
 
-    def on_verified(self, result, state):
-        self.inner.on_verified(result, state)
+    def on_verified(self, state):
+        self.inner.on_verified(state)
 
 
 @pytest.mark.parametrize("name", DRAFTER_CONFIGS)
@@ -122,9 +122,9 @@ class Probe(RandomTreeDrafter):
         super().__init__(*a, **kw)
         self.seen = []
 
-    def on_verified(self, result, state):
+    def on_verified(self, state):
         kv = [(k.clone(), v.clone()) for k, v in state.kv]
-        self.seen.append((state.tokens.clone(), result.hidden.clone(), kv, len(result.accepted_nodes)))
+        self.seen.append((state.tokens.clone(), state.hidden.clone(), kv, state.fresh[0] - 1))
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -5,10 +5,15 @@ Lifecycle per generation (one prompt turn):
     loop:
         tree = drafter.propose(state)  # a DraftTree (chain, static tree or dynamic tree)
         ...engine verifies...
-        drafter.on_verified(result, state)  # roll back / extend the drafter's own cache
+        drafter.on_verified(state)  # roll back / extend the drafter's own cache
 
 The engine drives every batch, batch 1 included, through the rows protocol: `prefill_rows`, `propose_rows` (one
 DraftTree for all live rows, padded to one node count), `on_verified_rows` and `keep_rows` (finished rows leave).
+What verification decided reaches the drafter through the next TargetState, on the device (`fresh`: each row's
+accepted nodes + 1; `tokens`: the new ones appended); the engine reads nothing else of a step for it. A drafter that
+needs host ints to size its next tree (pld's draft lengths) stages them in `lookahead_rows`, which runs on the device
+before the engine's one host read of the step and travels in it (TargetState.lookahead), so that every drafter holds
+to one host read per step.
 Every shipped drafter implements it (`batched = True`): all rows in the same forwards. A drafter written for one row
 only (the methods above) decodes at batch 1 (`OneRow`); at decoding.batch_size > 1 it is refused in one line.
 
@@ -29,7 +34,7 @@ if TYPE_CHECKING:
 
     from specbench.decode.rows import Leave
 
-from specbench.decode.types import DraftTree, TargetState, VerifyResult
+from specbench.decode.types import DraftTree, Lookahead, TargetState
 
 HIDDEN = "hidden"
 KV = "kv"
@@ -52,8 +57,9 @@ class Drafter(ABC):
         """Draft the next tree below state.tokens[:, -1]."""
 
     @abstractmethod
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        """Observe what was kept: state.tokens now ends with the accepted tokens and the bonus/recovered token."""
+    def on_verified(self, state: TargetState) -> None:
+        """Observe what was kept: state.tokens now ends with the accepted tokens and the bonus/recovered token
+        (state.fresh[0] - 1 of them accepted)."""
 
     #: implements the rows protocol below itself (all live rows of a batch in one call); else it decodes one row
     #: (batch 1) through OneRow
@@ -67,9 +73,19 @@ class Drafter(ABC):
         """Every live row's tree, [A, N] padded (DraftTree.sizes / valid)."""
         raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        """Observe every live row's outcome (results[r] for row r of state)."""
+    def on_verified_rows(self, state: TargetState) -> None:
+        """Observe every live row's outcome: row r accepted state.fresh[r] - 1 nodes (host and device), state.tokens
+        ends with them and the bonus/recovered token."""
         raise NotImplementedError(f"{type(self).__name__} drafts one row at a time (batched = False)")
+
+    def lookahead_rows(self, tokens: "torch.Tensor", lengths: "torch.Tensor") -> Lookahead | None:
+        """Stage what the next propose needs on the host, from the verified tokens alone: called after the prefill and
+        after every step, once the new tokens are on the device and before the engine's host read (before
+        on_verified_rows), with tokens [B, W] (row b's verified tokens tokens[b, :lengths[b]], past them stale) and
+        lengths [B] on the device. Tensor ops only (no host read): the returned counts travel in the engine's read and
+        come back as the next state's `lookahead`. None (the default): nothing to stage."""
+        del tokens, lengths
+        return None
 
     def keep_rows(self, leave: "Leave") -> None:
         """Rows left the batch: new row r is old row leave.index[r] (specbench/decode/rows.py)."""
@@ -97,8 +113,8 @@ class RowsDrafter:
     def propose(self, state: TargetState) -> DraftTree:
         return self.propose_rows(state)
 
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
-        self.on_verified_rows([result], state)
+    def on_verified(self, state: TargetState) -> None:
+        self.on_verified_rows(state)
 
 
 class OneRow:
@@ -115,9 +131,11 @@ class OneRow:
     def propose_rows(self, state: TargetState) -> DraftTree:
         return DraftTree.stack([self.drafter.propose(state)])
 
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        results[0].hidden = state.hidden
-        self.drafter.on_verified(results[0], state)
+    def on_verified_rows(self, state: TargetState) -> None:
+        self.drafter.on_verified(state)
+
+    def lookahead_rows(self, tokens: "torch.Tensor", lengths: "torch.Tensor") -> None:
+        del tokens, lengths  # a one-row drafter stages nothing
 
     def keep_rows(self, leave: "Leave") -> None:
         raise AssertionError("a batch of one has no rows to keep")  # (the engine stops when its row is done)
@@ -164,14 +182,11 @@ class NoDrafter(Drafter):
     def propose(self, state: TargetState) -> DraftTree:
         return DraftTree.empty(state.tokens.shape[0], state.tokens.device)
 
-    def on_verified(self, result: VerifyResult, state: TargetState) -> None:
+    def on_verified(self, state: TargetState) -> None:
         pass
 
     batched = True
-    prefill_rows, propose_rows = prefill, propose
-
-    def on_verified_rows(self, results: list[VerifyResult], state: TargetState) -> None:
-        pass
+    prefill_rows, propose_rows, on_verified_rows = prefill, propose, on_verified
 
     def keep_rows(self, leave: "Leave") -> None:
         pass

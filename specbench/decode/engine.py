@@ -6,13 +6,15 @@ size: `generate` is `generate_batch` of one prompt.
 3. one target forward over every row's [root, nodes] with its tree mask and depth positions;
 4. acceptance (verify.py, on the device, all rows at once): greedy or recursive rejection sampling -> each row's
    accepted path + bonus/recovered token;
-5. one host transfer reads the trees and their outcomes; compact the target cache to the accepted paths, tell the
-   drafter; a row stops at EOS or its max_new_tokens and leaves the batch (specbench/decode/rows.py).
+5. each row's emitted tokens, where it stops (EOS, its max_new_tokens) and its counters' numbers are decided on the
+   device (outcome.py); one host transfer reads them (not the trees) with whatever the drafter staged for its next
+   tree (Lookahead); compact the target cache to the accepted paths, tell the drafter through the next TargetState; a
+   finished row leaves the batch (specbench/decode/rows.py).
 Every batch size, 1 included, takes this one path (issue 77): ragged rows in a preallocated cache (model.compile: the
 static cache of its batch bucket) under explicit per-row masks and positions; a lone row's chain skips its mask (the
 model's causal one says the same: an optimisation, not another path).
-Host round trips per step: the drafter's own (none per node for the tree drafters) plus that one transfer
-(tests/test_roundtrips.py bounds both).
+Host round trips per step: that one transfer, and none of the drafters' (a traced run reads the trees besides;
+tests/test_roundtrips.py counts them).
 """
 from __future__ import annotations
 
@@ -24,11 +26,12 @@ import torch
 from specbench.decode.clock import StepClock, sync
 from specbench.decode.kvcache import StaticCache
 from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, check_batched, rows_protocol
+from specbench.decode.outcome import RowStep, decide
 from specbench.decode.sampling import logits_to_probs, sample
 from specbench.decode.rows import Row, RowCounts, Rows
 from specbench.decode.target import TargetModel, cache_kv, compact_rows
-from specbench.decode.tree import ancestor_matrices, batch_tree_mask, is_chain, node_depths
-from specbench.decode.types import DraftTree, SamplingParams, TargetState, VerifyResult
+from specbench.decode.tree import ancestor_matrices, batch_tree_mask
+from specbench.decode.types import DraftTree, Lookahead, SamplingParams, TargetState
 from specbench.decode.verify import greedy_accept_rows, rejection_accept_rows
 
 
@@ -75,32 +78,18 @@ class Generation:
         return sum(self.tokens_per_step) / self.steps if self.steps else float("nan")
 
 
-def _count_depths(gen: Generation, parents: list[int], path: list[int]) -> None:
+def _count_depths(gen: Generation, step: RowStep) -> None:
     """Per-depth acceptance (EAGLE's n-alpha for chains): depth d is tried when the path reached d-1 and the
-    last accepted node (or the root) has a drafted child; accepted when the path reaches d."""
-    depths = node_depths(parents)
-    last = path[-1] if path else -1
-    tried = len(path) + (1 if any(p == last for p in parents) else 0)
-    need = max(tried, max(depths, default=0))
+    last accepted node (or the root) has a drafted child (then one was rejected: `recovered`); accepted when the path
+    reaches d. The lists reach the tree's deepest node."""
+    tried = step.accepted + int(step.recovered)
+    need = max(tried, step.deepest)
     for lst in (gen.depth_trials, gen.depth_accepts):
         lst.extend([0] * (need - len(lst)))
     for d in range(tried):
         gen.depth_trials[d] += 1
-    for d in range(len(path)):
+    for d in range(step.accepted):
         gen.depth_accepts[d] += 1
-
-
-def _emit(gen: Generation, tokens: list[int], eos: frozenset[int], max_new_tokens: int) -> tuple[list[int], bool]:
-    """The accepted tokens and the bonus/recovered one, cut at EOS or the token budget -> (emitted, done)."""
-    emitted: list[int] = []
-    for tok in tokens:
-        emitted.append(tok)
-        if tok in eos:
-            gen.stopped_by = "eos"
-            return emitted, True
-        if len(gen.new_tokens) + len(emitted) >= max_new_tokens:
-            return emitted, True
-    return emitted, False
 
 
 @dataclass
@@ -139,7 +128,7 @@ class Engine:
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
 
     def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: RowCounts, cache,
-               layers: torch.Tensor | None, capacity: int) -> TargetState:
+               layers: torch.Tensor | None, capacity: int, lookahead: Lookahead | None) -> TargetState:
         """What the drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]),
         the cache's K/V, the EAGLE-3 layers."""
         needs = self.drafter.needs
@@ -157,22 +146,33 @@ class Engine:
             lengths=lengths,
             fresh=fresh,
             generators=gens,
+            lookahead=lookahead,
         )
 
-    def _count_step(self, gen: Generation, tree: DraftTree, row: int, emitted: list[int], parents: list[int],
-                    path: list[int], recovered: bool) -> None:
-        """One verification step's counters for one row (the tokens themselves are appended by the caller)."""
-        gen.new_tokens.extend(emitted)
+    @staticmethod
+    def _count_step(gen: Generation, step: RowStep, size: int) -> None:
+        """One verification step's tokens and counters for one row (size: its verified tree's nodes)."""
+        gen.new_tokens.extend(step.emitted)
         gen.steps += 1
-        gen.tokens_per_step.append(len(emitted))
-        gen.tree_sizes.append(len(parents))
-        gen.recovered += int(recovered)
-        gen.chain &= is_chain(parents)
-        if self.trace:
-            priority = tree.priority[row, : len(parents)].tolist() if tree.priority is not None else None
-            tokens = tree.tokens[row, : len(parents)].tolist()
-            gen.trace.append(StepTrace(parents, priority, path, tokens))
-        _count_depths(gen, parents, path)
+        gen.tokens_per_step.append(len(step.emitted))
+        gen.tree_sizes.append(size)
+        gen.recovered += int(step.recovered)
+        gen.chain &= step.chain
+        if step.stop is not None:
+            gen.stopped_by = step.stop
+        _count_depths(gen, step)
+
+    @staticmethod
+    def _trace_step(gens: list[Generation], tree: DraftTree, path: torch.Tensor, steps: list[RowStep]) -> None:
+        """Engine(trace=True): every row's tree, drafted tokens and accepted path (a second host read)."""
+        a, n = tree.tokens.shape
+        parts = [tree.tokens.flatten(), tree.parents.flatten(), path.flatten()]
+        flat = torch.cat(parts).tolist()
+        prio = tree.priority.flatten().tolist() if tree.priority is not None else None
+        for r, (gen, k) in enumerate(zip(gens, tree.row_sizes())):
+            at = r * n
+            gen.trace.append(StepTrace(flat[a * n + at : a * n + at + k], None if prio is None else prio[at : at + k],
+                                       flat[2 * a * n + at : 2 * a * n + at + steps[r].accepted], flat[at : at + k]))
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, generator: torch.Generator | None = None,
@@ -188,7 +188,7 @@ class Engine:
     def _prefill(self, prompts: list[list[int]], cache, layers: tuple[int, ...],
                  generators: list[torch.Generator | None]):
         """The prompts through the target -> (the prompts [A, L] (right-padded), the forward, each row's first token [A]
-        on the device, the logits that chose them [A, V], their host ints). Ragged prompts are right-padded under the
+        on the device, the logits that chose them [A, V]). Ragged prompts are right-padded under the
         causal mask (a real token never sees the padding after it), each row's first token read at its own last
         position."""
         target, dev = self.target, self.target.device
@@ -204,7 +204,7 @@ class Engine:
         else:
             first = torch.cat([sample(logits_to_probs(logits[r], self.sampling), g)[None]
                                for r, g in enumerate(generators)])
-        return ids, fwd, first, logits, first.tolist()
+        return ids, fwd, first, logits
 
     def _geometry(self, tree: DraftTree, rows: Rows):
         """The step's forward inputs for every live row: ids [A, Q] (root, then the nodes), positions [A, Q], the
@@ -217,7 +217,7 @@ class Engine:
         q = anc.shape[-1]
         lone_chain = len(rows) == 1 and tree.is_chain
         mask = None if lone_chain else batch_tree_mask(anc, rows.prefix.dev, rows.prefix.max() + q, self.target.dtype)
-        return ids, rows.prefix.dev[:, None] - 1 + depth, mask, anc
+        return ids, rows.prefix.dev[:, None] - 1 + depth, mask, anc, depth
 
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
@@ -251,11 +251,20 @@ class Engine:
         # it
         cache = target.new_cache(min(need, context + TREE_ROOM) if context else need, batch=b, ragged=True)
         layer_ids = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()  # EAGLE-3's features
-        prompt_t, fwd, first, logits, first_host = self._prefill(prompts, cache, layer_ids, generators)
+        prompt_t, fwd, first, logits = self._prefill(prompts, cache, layer_ids, generators)
         prefix = RowCounts.copy(lens, dev)  # [B] each row's cached entries: its prompt
+        # [B] the verified tokens at which each row has spent its budget (prompt + max_new_tokens)
+        limits = prefix + budgets[0] if len(set(budgets)) == 1 else RowCounts.copy(
+            [n + m for n, m in zip(lens, budgets)], dev)
+        eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=dev)  # [E] (stopping is decided on the device)
         ids = torch.zeros(b, need + 1, dtype=torch.long, device=dev)  # every row's verified tokens
         ids[:, : prompt_t.shape[1]] = prompt_t
         ids.scatter_(1, prefix.dev[:, None], first[:, None])  # the root behind each prompt
+        drafter = rows_protocol(self.drafter, b)
+        # what the drafter stages for its first tree joins the prefill's read of the first tokens
+        look = drafter.lookahead_rows(ids[:, : max(lens) + 1], prefix.dev + 1)
+        head = torch.cat([first, look.counts]).tolist() if look is not None else first.tolist()
+        first_host, look = head[:b], None if look is None else look.read(head[b:])
         rows = Rows([Row(i, Generation(new_tokens=[first_host[i]], prompt_tokens=lens[i], wall_s=0.0, prefill_s=0.0),
                          budgets[i], generators[i], capture_at.get(i)) for i in range(b)], ids, prefix)
         gens = [row.gen for row in rows.live]
@@ -272,11 +281,10 @@ class Engine:
         if done:
             step = self._leave(rows, done, cache, None)
             hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
-            fresh = rows.prefix
-        drafter = rows_protocol(self.drafter, len(rows))
+            fresh, limits, look = rows.prefix, limits.keep(step), None if look is None else look.keep(step)
         if len(rows):
             # a drafter's own caches: the need, unclamped (a tree past the context is drafted before it is dropped)
-            state = self._state(rows, hid, fresh, cache, lay, need)
+            state = self._state(rows, hid, fresh, cache, lay, need, look)
             drafter.prefill_rows(state)
         sync(devs)
         batch = BatchGeneration(rows=gens, wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -290,10 +298,9 @@ class Engine:
             td = clock.mark()
             tree = drafter.propose_rows(state)
             tv = clock.mark()
-            proposed = tree.row_sizes()  # (a dropped tree: every proposed node rejected, from the drafter's side)
             tree = self._within_context(tree, rows, context)
             sizes = tree.row_sizes()
-            x_ids, pos, mask, anc = self._geometry(tree, rows)
+            x_ids, pos, mask, anc, depth = self._geometry(tree, rows)
             fwd = target.forward(x_ids, cache, position_ids=pos, attention_mask=mask, layers=layer_ids)
             logits = fwd.logits  # [A, Q, V]
             if self.sampling.greedy:
@@ -301,44 +308,40 @@ class Engine:
             else:
                 acc = rejection_accept_rows(tree.tokens, tree.parents, anc, logits_to_probs(logits, self.sampling),
                                             tree.draft_probs, [row.generator for row in rows.live], sizes, tree.valid)
-            # the step's one host transfer: every row's tree and outcome, for the bookkeeping below
             a, n = tree.tokens.shape
-            flat = torch.cat([tree.tokens.flatten(), tree.parents.flatten(), acc.path.flatten(), acc.length,
-                              acc.next_token, acc.recovered.long()]).tolist()
-            lengths_h = flat[3 * a * n : 3 * a * n + a]
-            nexts, recs = flat[3 * a * n + a : 3 * a * n + 2 * a], flat[3 * a * n + 2 * a :]
-            paths = [flat[2 * a * n + r * n : 2 * a * n + r * n + lengths_h[r]] for r in range(a)]
-            contiguous = all(p == list(range(len(p))) for p in paths)
-            accepted = RowCounts(tuple(lengths_h), acc.length)  # each row's accepted nodes
-            compact_rows(cache, rows.prefix + 1, acc.path, accepted, contiguous)
+            # each row's emitted tokens, its stop and its counters' numbers, on the device (outcome.py)
+            out = decide(acc, tree.tokens, tree.parents, depth, tree.valid, limits.dev - rows.prefix.dev - 1, eos_t)
+            # every row's new tokens (accepted + next) written behind its root, on the device (past a row's end: stale)
+            rows.ids.scatter_(1, rows.prefix.dev[:, None] + 1 + torch.arange(n + 1, device=dev), out.new)
+            # the drafter stages its next tree's host ints from them (lengths: prefix + root + accepted + next) ...
+            look = drafter.lookahead_rows(rows.ids[:, : rows.prefix.max() + n + 2], rows.prefix.dev + acc.length + 2)
+            # ... and the step's one host transfer carries them with every row's outcome
+            read = out.read(None if look is None else look.counts)
+            look = None if look is None else look.read(read.staged)
+            if self.trace:
+                self._trace_step([row.gen for row in rows.live], tree, acc.path, read.rows)
+            accepted = RowCounts(tuple(st.accepted for st in read.rows), acc.length)  # each row's accepted nodes
+            compact_rows(cache, rows.prefix + 1, acc.path, accepted, read.contiguous)
             clock.step(td, tv, clock.mark(), [row.gen for row in rows.live])
             batch.steps += 1
             batch.active.append(a)
-            # every row's new tokens (accepted + next) written behind its root, on the device (past a row's end: stale)
-            new = torch.cat([tree.tokens.gather(1, acc.path.clamp(min=0)), acc.next_token.new_zeros(a, 1)], 1)
-            new.scatter_(1, acc.length[:, None], acc.next_token[:, None])  # [A, N+1]
-            rows.ids.scatter_(1, rows.prefix.dev[:, None] + 1 + torch.arange(n + 1, device=dev), new)
             fresh = accepted + 1  # each row's root + accepted path
             rows.prefix = rows.prefix + fresh
-            done, results = set(), []
-            for r, row in enumerate(rows.live):
-                gen, k = row.gen, sizes[r]
-                node_tokens, parents = flat[r * n : r * n + k], flat[a * n + r * n : a * n + r * n + k]
-                path = paths[r]
+            done = set()
+            for r, (row, st) in enumerate(zip(rows.live, read.rows)):
+                gen = row.gen
                 before = len(gen.new_tokens)
-                emitted, finished = _emit(gen, [node_tokens[j] for j in path] + [nexts[r]], eos, row.budget)
-                if row.capture_at is not None and before <= row.capture_at < before + len(emitted):
+                if row.capture_at is not None and before <= row.capture_at < before + len(st.emitted):
                     # emitted token t was chosen at the row of its parent: the root (row 0), then accepted node path[t-1]
-                    gen.captured = logits[r, ([0] + [j + 1 for j in path])[row.capture_at - before]].clone()
-                self._count_step(gen, tree, r, emitted, parents, path, bool(recs[r]))
-                if finished:
+                    t = row.capture_at - before
+                    at = torch.cat([acc.path.new_zeros(1), acc.path[r] + 1])[t : t + 1]  # (on the device)
+                    gen.captured = logits[r].index_select(0, at)[0].clone()
+                self._count_step(gen, st, sizes[r])
+                if st.stop is not None:
                     clock.finish(gen, clock.mark())
                     done.add(r)
-                results.append(VerifyResult(
-                    accepted_nodes=path, accepted_tokens=[node_tokens[j] for j in path], next_token=nexts[r],
-                    recovered=bool(recs[r]), num_nodes=proposed[r], emitted=emitted))
             # the hidden rows of every root and accepted path, [A, max A_r + 1, H]
-            keep = torch.cat([acc.path.new_zeros(a, 1), acc.path[:, : max(lengths_h)] + 1], 1).clamp(min=0)
+            keep = torch.cat([acc.path.new_zeros(a, 1), acc.path[:, : accepted.max()] + 1], 1).clamp(min=0)
             hid = fwd.hidden.gather(1, keep[:, :, None].expand(-1, -1, fwd.hidden.shape[-1]))
             lay = None if fwd.layers is None else fwd.layers.gather(1, keep[:, :, None].expand(-1, -1,
                                                                                                 fwd.layers.shape[-1]))
@@ -347,9 +350,10 @@ class Engine:
                     break
                 step = self._leave(rows, done, cache, drafter)
                 hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
-                fresh, results = fresh.keep(step), [results[i] for i in step.index]
-            state = self._state(rows, hid, fresh, cache, lay, need)
-            drafter.on_verified_rows(results, state)
+                fresh, limits = fresh.keep(step), limits.keep(step)
+                look = None if look is None else look.keep(step)
+            state = self._state(rows, hid, fresh, cache, lay, need, look)
+            drafter.on_verified_rows(state)
         clock.resolve()  # (its one wait for the device, where it marked with events)
         sync(devs)
         batch.wall_s = time.perf_counter() - t0

@@ -11,7 +11,8 @@ Training (what a query would see while drafting, simulated over a whole sequence
 `harmonized` (HASS's aligned steps), `up_to_start` and `in_block` (Beagle's windows, MoA's T-step-bounded blocks).
 
 The forward's geometry is computed on the device from the parents tensor (no host transfer, no per-node Python);
-`node_depths` / `is_chain` are the host-side versions the engine's bookkeeping uses once the step's outcome is read.
+`node_depths` / `is_chain` are host-side versions over a read tree (the cost model's; the engine's counters come
+from the device, specbench/decode/outcome.py).
 """
 from __future__ import annotations
 

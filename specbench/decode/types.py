@@ -1,6 +1,11 @@
 """Typed objects passed between the engine and drafters (shapes in comments; B is the batch axis: the live rows of a
 batch, ragged ones padded, their real extent given per row).
 
+What a step's verification decided reaches a drafter through the next `TargetState` only, on the device where it can
+stay there: `fresh[b]` (host and device) is row b's accepted nodes + 1 (root + accepted path, the entries just written
+to the target cache), `tokens` ends with them and the bonus/recovered token. A drafter that needs a few host ints for
+its next propose stages them (`Lookahead`, Drafter.lookahead_rows) so that they travel in the engine's one host read.
+
 Vocabulary (vLLM / SpecInfer): a drafted node is *accepted* when verification keeps it; after the accepted path the
 engine always emits one more token from the target, the *bonus* token when the path ended at a leaf of the draft
 tree, or the *recovered* token when every child of the last accepted node was rejected (sampled from the residual).
@@ -126,6 +131,9 @@ class TargetState:
     lengths: RowCounts | None = None
     fresh: RowCounts | None = None
     generators: tuple[torch.Generator | None, ...] | None = None
+    # what the drafter staged for this propose (Drafter.lookahead_rows), read with the engine's last host transfer;
+    # None: it staged nothing (or the state was built by a caller that does not stage, a test)
+    lookahead: "Lookahead | None" = None
 
     def __post_init__(self):
         if self.lengths is None:
@@ -181,19 +189,24 @@ class TargetState:
         return self.capacity or self.num_tokens + 1024
 
 
-@dataclass
-class VerifyResult:
-    """The outcome of verifying one DraftTree (batch index b of the step)."""
+@dataclass(frozen=True)
+class Lookahead:
+    """What a drafter prepares for its next propose while the engine finishes a step (Drafter.lookahead_rows): computed
+    on the device from the verified tokens, before the step's one host read, which carries `counts` along, so that the
+    drafter sizes its next tree without a read of its own (pld: each row's draft length and where its continuation
+    starts). The engine keeps its rows in step with the batch (a leave reorders them like every other holder of rows)
+    and hands it back in the next TargetState with `host` filled in."""
 
-    accepted_nodes: list[int]  # indices into the tree's nodes, root-to-leaf order (len A, 0 <= A <= depth)
-    accepted_tokens: list[int]  # [A] their token ids
-    next_token: int  # the bonus or recovered token
-    recovered: bool  # True: next_token was sampled from the residual after rejecting a child; False: bonus
-    num_nodes: int  # N, the size of the tree that was verified
-    emitted: list[int] = field(default_factory=list)  # tokens actually appended (accepted + next, cut at EOS / max)
-    hidden: torch.Tensor | None = None  # [B, A+1, H] target last hidden states of the root and the accepted nodes
-    #                                     (None unless the drafter declares needs "hidden")
+    counts: torch.Tensor  # [B] int64, on the device: joins the engine's host read
+    data: torch.Tensor | None = None  # [B, ...] device only, kept with its rows (pld: each continuation's start)
+    host: tuple[int, ...] | None = None  # [B] `counts` on the host; None until the engine's read
 
-    @property
-    def accept_length(self) -> int:
-        return len(self.accepted_nodes)
+    def read(self, host: list[int]) -> "Lookahead":
+        """The same with its counts read (the engine's transfer)."""
+        return Lookahead(self.counts, self.data, tuple(host))
+
+    def keep(self, leave) -> "Lookahead":
+        """The rows a leave (specbench/decode/rows.py) keeps, in their new order."""
+        return Lookahead(self.counts.index_select(0, leave.index_t),
+                         None if self.data is None else self.data.index_select(0, leave.index_t),
+                         None if self.host is None else tuple(self.host[i] for i in leave.index))

@@ -43,9 +43,9 @@ class CountedDrafter:
         with self.rt:
             return self.inner.propose(state)
 
-    def on_verified(self, result, state):
+    def on_verified(self, state):
         with self.rt:
-            return self.inner.on_verified(result, state)
+            return self.inner.on_verified(state)
 
     # the rows protocol, where the inner drafter drafts all rows at once
     @property
@@ -59,9 +59,13 @@ class CountedDrafter:
         with self.rt:
             return self.inner.propose_rows(state)
 
-    def on_verified_rows(self, results, state):
+    def on_verified_rows(self, state):
         with self.rt:
-            return self.inner.on_verified_rows(results, state)
+            return self.inner.on_verified_rows(state)
+
+    def lookahead_rows(self, tokens, lengths):
+        with self.rt:
+            return self.inner.lookahead_rows(tokens, lengths)
 
     def keep_rows(self, leave):
         return self.inner.keep_rows(leave)
