@@ -109,7 +109,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None,
                  concat: bool = True):
         self.block = self.load_module(target, checkpoint, module)
-        self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
+        self.embed, self.lm_head = target.decoder.embed_tokens, target.lm_head
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.concat = concat
         self.target = target
@@ -117,7 +117,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         self.pending: tuple[torch.Tensor, RowCounts] | None = None  # (true states not yet in the cache [A, n, H],
         #                                                             each row's count of them)
         self.region = CompiledTree()  # model.compile: the tree's growth, compiled
-        self._appends = Region(self._append_at)  # and the append of new true states
+        self.append_region = Region(self._append_step)  # and the append of new true states
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
@@ -196,7 +196,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
     # Every row of a batch, batch 1 included, drafts in the same forwards (the rows protocol): the block's K/V layer
     # (specbench/decode/draftcache.py; model.compile: a one-layer static cache of the batch's bucket) holds one row per
     # batch row (its verified states, then its drafted ones, behind its own length) and a level of the tree is one
-    # forward over [A, n] nodes. model.compile: the append of the new true states (`_appends`) and the whole tree
+    # forward over [A, n] nodes. model.compile: the append of the new true states (`_append_step`) and the whole tree
     # (CompiledTree) are compiled regions of the same code.
     def prefill_rows(self, state: TargetState) -> None:
         self.cache = DraftCache.for_decoder(self.target, layers_config(self.target), state, self.block)
@@ -213,7 +213,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
         at its offsets; no read of the window, so a region that only appends keeps one graph for every width)."""
         self.kv.write(*self.block.keys(states.to(self.block.q_proj.weight.dtype), pos))
 
-    def _append_at(self, prefixes: torch.Tensor, states: torch.Tensor) -> None:
+    def _append_step(self, prefixes: torch.Tensor, states: torch.Tensor) -> None:
         """DraftCache.append's step: states [P, Q, H] behind each row's `prefixes` [P] verified ones."""
         self._append(states, prefixes[:, None] + torch.arange(states.shape[1], device=states.device))
 
@@ -224,7 +224,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
     def propose_rows(self, state: TargetState) -> DraftTree:
         root_tok = state.tokens.gather(1, state.num_tokens_rows()[:, None] - 1)  # [A, 1] the last verified token
         states, fresh = self.pending
-        self.cache.append(self._append_at, fresh, states, region=self._appends)
+        self.cache.append(self._append_step, fresh, states, region=self.append_region)
         vocab = self.lm_head.weight.shape[0]
         # the drafted entries ("concate"): the root's and one per node fed to `expand`; none without
         entries = 1 + self.policy.expanded(vocab) if self.concat else 0

@@ -189,7 +189,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
         self.head = self.load_module(target, checkpoint, module)
         self.target = target
-        self.embed, self.lm_head, self.device = target.decoder.embed_tokens, target.lm_head, target.device
+        self.embed, self.lm_head = target.decoder.embed_tokens, target.lm_head
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.vocab = self.pruned_head(target, checkpoint, module or {})
         self.cache: DraftCache | None = None  # the head's cache, per generation (prefill_rows)

@@ -390,12 +390,12 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
         self.head = self.load_module(target, checkpoint, module)
         self.hidden_layers = self.head.layers
-        self.target, self.embed, self.device = target, target.decoder.embed_tokens, target.device
+        self.target, self.embed = target, target.decoder.embed_tokens
         self.policy = make_tree(**(tree or {"kind": "dynamic"}))
         self.cache: DraftCache | None = None  # the head's K, V over verified pairs, per generation (prefill_rows)
         self.pending: tuple | None = None  # (fused features [A,n,3H], next tokens [A,n], fresh)
         self.region = CompiledTree()  # model.compile: the tree's growth, compiled
-        self._pairs = Region(self._pairs_step)  # and the step over newly verified pairs
+        self.append_region = Region(self._append_step)  # and the step over newly verified pairs
 
     def save_for_serving(self, out: Path, fmt: str, verifier: str) -> Path:
         """This head for SGLang or vLLM (save_for_serving); a chain of the tree's depth for vLLM's proposer."""
@@ -490,10 +490,10 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
 
     # ---- decoding -------------------------------------------------------------------------------------------------
     # Every row of a batch, batch 1 included, drafts in the same forwards (the rows protocol): the head's K, V
-    # (specbench/decode/draftcache.py: one layer; model.compile: a static cache of the batch's bucket) in ragged rows,
-    # each row's verified pairs, then its drafted entries, behind its own length; one step per tree level for all rows.
-    # model.compile: the step over the new verified pairs (`_pairs`) and the tree (CompiledTree) are compiled regions
-    # of the same code.
+    # (specbench/decode/draftcache.py: one layer; model.compile: a static cache of the batch's bucket) hold each row's
+    # verified pairs, then its drafted entries, behind its own length; one step per tree level for all rows.
+    # model.compile: the step over the new verified pairs (`_append_step`) and the tree (CompiledTree) are compiled
+    # regions of the same code.
     def prefill_rows(self, state: TargetState) -> None:
         self.cache = DraftCache.for_decoder(self.target, self.head.config, state, self.head.midlayer)
         # pairs (features_i, t_{i+1}), i = 0 .. L-1: row b's first fresh[b]
@@ -507,11 +507,11 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
         feats, toks, fresh = self.pending
-        h = self.cache.append(self._pairs_step, fresh, toks, feats, region=self._pairs)  # [A, n, H]
+        h = self.cache.append(self._append_step, fresh, toks, feats, region=self.append_region)  # [A, n, H]
         root_h = h.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
         return self.cache.grow(self._grow, root_h, self.region, self.policy, self.head.vocab_size)
 
-    def _pairs_step(self, prefixes: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    def _append_step(self, prefixes: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """ids [P, Q], fused features [P, Q, 3H] behind each row's `prefixes` [P] verified pairs, causal among
         themselves -> the head's outputs [P, Q, H] (their K, V written into `past`)."""
         dtype = self.head.fc.weight.dtype

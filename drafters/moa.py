@@ -333,7 +333,7 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
             raise SpecbenchError(f"moa tli_context={self.tli_context!r} is not one of {', '.join(TLI_CONTEXT)}")
         self.cache: DraftCache | None = None  # per generation (prefill_rows): the SA, TLI and CA layers' K, V
         self.region = CompiledTree()  # model.compile: the tree's growth, compiled
-        self._append = Region(self._append_step)  # and the step over the new verified tokens
+        self.append_region = Region(self._append_step)  # and the step over the new verified tokens
 
     # ---- weights -------------------------------------------------------------------------------------------------
     @classmethod
@@ -489,7 +489,8 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
             cols = self.cache.verified.dev[:, None] + torch.arange(fresh.max(), device=state.tokens.device)  # [A, n]
             toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
             # (the target's K, V: its static buffers whole under model.compile, shapes that never change)
-            self.cache.append(self._append_step, fresh, toks, region=self._append, whole=(state.kv_static or state.kv,))
+            self.cache.append(self._append_step, fresh, toks, region=self.append_region,
+                              whole=(state.kv_static or state.kv,))
         root = state.tokens.gather(1, (state.lengths.dev - 1)[:, None])  # [A, 1]
         vocab = self.lm_head.weight.shape[0]
         # the tree's drafted entries in the SA and TLI layers: the root's and one per node fed to `expand`

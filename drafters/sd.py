@@ -204,7 +204,7 @@ class IndependentDrafter(RowsDrafter, TrainableDrafter):
     def _logits(self, ids: torch.Tensor, last: torch.Tensor | None = None, laid_out: bool = False,
                 **kw) -> torch.Tensor:
         """The draft model on ids [A, Q] over its cache -> logits on the target's rows, [A, Q, V] or, with `last`
-        [A], each row's row last[b] only ([A, V]: the LM head applied to those rows alone). laid_out: inside
+        [A], each row's column last[b] only ([A, V]: the LM head applied to those positions alone). laid_out: inside
         CompiledTree's region (specbench/decode/compiled.py decode)."""
         def pick(x: torch.Tensor) -> torch.Tensor:
             return x if last is None else x.gather(1, last[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]

@@ -55,9 +55,6 @@ class Grown:
 
     def draft(self) -> DraftTree:
         """The step's proposal, one tree per row (every row the same node count)."""
-        if self.tokens.dim() == 1:
-            return DraftTree(tokens=self.tokens[None], parents=self.parents[None], is_chain=self.is_chain,
-                             priority=None if self.priority is None else self.priority[None])
         return DraftTree(tokens=self.tokens, parents=self.parents, is_chain=self.is_chain, priority=self.priority)
 
 
@@ -70,8 +67,8 @@ class GrowingTree:
     """The drafted slots of a drafter's own cache that each node's row attends to (its own and its drafted ancestors'),
     kept as a bool matrix on the device that grows with the tree: the rows of one `expand` are appended to the cache
     together, in node order, so slot j is the j-th drafted entry. Row 0 is the root; row v+1 node v.
-    With `root_slot`, slot 0 is the root's own drafted entry (Beagle, MoA's TLI caches), seen by every row.
-    `trees` trees at once (a batch's rows, each its own shape): nodes and parents [A, n]; [n] for one tree."""
+    With `root_slot`, slot 0 is the root's own drafted entry (Beagle, MoA's caches), seen by every row.
+    `trees` trees at once (a batch's rows, each its own shape): nodes and parents [A, n]."""
 
     def __init__(self, capacity: int, device: torch.device | str, root_slot: bool = False, trees: int = 1):
         self.seen = torch.ones(trees, capacity + 1, int(root_slot), dtype=torch.bool, device=device)  # [A, cap+1, S]
@@ -85,23 +82,18 @@ class GrowingTree:
         return self.seen.gather(1, index[:, :, None].expand(-1, -1, self.slots))
 
     def ancestors(self, parents: torch.Tensor) -> torch.Tensor:
-        """Rows seeing the drafted ancestors of nodes with these parents, not the nodes themselves. [n, S] ([A, n, S])"""
-        if parents.dim() == 1:
-            return self._rows(parents[None] + 1)[0]
+        """Rows seeing the drafted ancestors of nodes with these parents [A, n], not the nodes themselves: [A, n, S]."""
         return self._rows(parents + 1)
 
     def add(self, nodes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        """Give nodes [n] (children of parents [n]) the next n slots; returns their rows, own slot + ancestors':
-        [n, S+n] ([A, n, S+n] for nodes, parents [A, n])."""
-        single = nodes.dim() == 1
-        if single:
-            nodes, parents = nodes[None], parents[None]
+        """Give nodes [A, n] (children of parents [A, n]) the next n slots; returns their rows, own slot + ancestors':
+        [A, n, S+n]."""
         n, s0 = nodes.shape[1], self.slots
         self.seen = torch.cat([self.seen, self.seen.new_zeros(*self.seen.shape[:2], n)], 2)
         rows = self._rows(parents + 1)
         rows[:, :, s0:] = torch.eye(n, dtype=torch.bool, device=rows.device)
         self.seen.scatter_(1, (nodes + 1)[:, :, None].expand(-1, -1, s0 + n), rows)
-        return rows[0] if single else rows
+        return rows
 
 
 def sorted_paths(paths: list[list[int]], max_depth: int | None = None) -> tuple[list[list[int]], list[int]]:
