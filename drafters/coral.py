@@ -117,13 +117,17 @@ class CoralDrafter(HassDrafter):
 ROUTINGS = ("grouped", "masked")
 
 
-def sync_free_groups(device: torch.device, dtype: torch.dtype) -> bool:
+def sync_free_groups(device: torch.device, dtype: torch.dtype, hidden: int, group_size: int) -> bool:
     """Whether F.grouped_mm runs on `device` without a host round trip: on the CPU ATen loops over the groups reading
     their offsets from the same memory (no device to wait for); on CUDA its bf16 kernel (sm 9.x and 10.x) reads them
-    on the device, while its fallback (other dtypes, other GPUs) copies them to the host, a sync at every tree level."""
+    on the device, while its fallback (other dtypes, other GPUs) copies them to the host, a sync at every tree level.
+    Its operands' rows must start on 16 bytes (the hidden size; on CUDA the group's size too)."""
+    if hidden * dtype.itemsize % 16:
+        return False
     if device.type == "cpu":
         return True
-    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    return (device.type == "cuda" and dtype == torch.bfloat16 and group_size * dtype.itemsize % 16 == 0
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
 @torch.library.custom_op("specbench::group_matmul", mutates_args=())
@@ -152,8 +156,8 @@ class LMHeadRouter(nn.Module):
         self.vocab, self.groups, self.active, self.routing = vocab, groups, active, routing
         self.group_size = -(-vocab // groups)  # the last group may be shorter
         # `grouped` through one grouped matmul (else the whole head, `masked`'s q): set by the drafter for its device
-        # and dtype (sync_free_groups), decided outside a compiled region; the CPU's answer by default
-        self.grouped_mm = True
+        # and dtype (sync_free_groups), decided outside a compiled region; the CPU's answer in fp32 by default
+        self.grouped_mm = sync_free_groups(torch.device("cpu"), torch.float32, hidden, self.group_size)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(h)
@@ -249,7 +253,8 @@ class CoralRouterDrafter(CoralDrafter):
         head.requires_grad_(False)  # stage 2 trains the router only
         head.router = LMHeadRouter(target.hidden_size, target.lm_head.weight.shape[0], opts.groups, opts.active,
                                    opts.routing)
-        head.router.grouped_mm = sync_free_groups(target.lm_head.weight.device, target.lm_head.weight.dtype)
+        weight = target.lm_head.weight
+        head.router.grouped_mm = sync_free_groups(weight.device, weight.dtype, weight.shape[1], head.router.group_size)
         return head.to(target.device)
 
     @classmethod

@@ -198,6 +198,16 @@ def test_grouped_routing_on_the_device_is_the_host_routing_bit_for_bit(vocab, gr
     assert torch.equal(router.log_probs(weight, f), masked.log_probs(weight, f))
 
 
+def test_a_hidden_size_grouped_mm_cannot_take_routes_through_the_whole_head():
+    """F.grouped_mm wants its rows on 16 bytes: a hidden size of 6 fp32 takes the whole head (`masked`'s q)."""
+    router = LMHeadRouter(hidden=6, vocab=12, groups=4, active=2)
+    assert not router.grouped_mm
+    masked = LMHeadRouter(hidden=6, vocab=12, groups=4, active=2, routing="masked")
+    masked.proj.weight.data = router.proj.weight.data
+    weight, f = torch.randn(12, 6), torch.randn(5, 6)
+    assert torch.equal(router.log_probs(weight, f), masked.log_probs(weight, f))
+
+
 def test_an_unknown_routing_is_refused_in_one_line():
     with pytest.raises(ValueError, match="drafter.module.routing='dense': one of grouped, masked"):
         LMHeadRouter(hidden=8, vocab=10, groups=3, active=2, routing="dense")
