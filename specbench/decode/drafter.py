@@ -9,13 +9,14 @@ Lifecycle per generation (one prompt turn):
 
 The engine drives every batch, batch 1 included, through the rows protocol: `prefill_rows`, `propose_rows` (one
 DraftTree for all live rows, padded to one node count), `on_verified_rows` and `keep_rows` (finished rows leave).
+Every shipped drafter implements it (`batched = True`): all rows in the same forwards. A drafter written for one row
+only (the methods above) decodes at batch 1 (`OneRow`); at decoding.batch_size > 1 it is refused in one line.
+
 What verification decided reaches the drafter through the next TargetState, on the device (`fresh`: each row's
 accepted nodes + 1; `tokens`: the new ones appended); the engine reads nothing else of a step for it. A drafter that
 needs host ints to size its next tree (pld's draft lengths) stages them in `lookahead_rows`, which runs on the device
 before the engine's one host read of the step and travels in it (TargetState.lookahead), so that every drafter holds
 to one host read per step.
-Every shipped drafter implements it (`batched = True`): all rows in the same forwards. A drafter written for one row
-only (the methods above) decodes at batch 1 (`OneRow`); at decoding.batch_size > 1 it is refused in one line.
 
 A drafter declares in `needs` which target outputs it reads from TargetState ("hidden": last hidden states,
 "kv": the target's per-layer key/values, "layers": the inputs of the target layers it lists in `hidden_layers`,
