@@ -1,7 +1,7 @@
 """Cache compaction after verification (specbench/decode/target.py): the accepted entries are moved into place behind the
 root and the rest is cropped, in the storage the cache already has (the prefix is never copied). The preallocated
-cache (specbench/decode/kvcache.py, model.cache=preallocated) decodes every drafter to the same tokens and steps as
-DynamicCache, writes in place and grows only past its capacity."""
+cache (specbench/decode/kvcache.py), which every decode runs on, attends as DynamicCache does, writes in place and
+grows only past its capacity; every drafter's own cache is one of the same kind, sized to the generation."""
 import pytest
 import torch
 from transformers import Cache, DynamicCache
@@ -57,27 +57,21 @@ def test_a_preallocated_cache_attends_as_a_dynamic_one_and_grows_only_past_its_c
 
 @pytest.mark.parametrize("name", ["pld", "sd", "sd_tree", "medusa", "eagle", "eagle2", "eagle3", "hass", "coral",
                                   "coral_router", "beagle", "moa", "moa_tli1"])
-def test_every_drafter_decodes_the_same_steps_through_either_cache(name):
-    """The engine with model.cache=preallocated (sized to the run, as Engine.generate sizes it) against DynamicCache:
-    the same tokens, the same accepted tokens per step, and both equal to the target's greedy output."""
+def test_every_drafter_keeps_its_own_cache_preallocated_and_sized_to_the_generation(name):
+    """A drafter that keeps its own keys and values keeps them in the target's kind of cache at every B (issue 77:
+    the rows of a batch, written in place), sized as the target's for the generation (prompt + budget + a tree) and
+    never grown; the engine's output the target's greedy output."""
     from tests.test_conformance import PROMPTS, make_drafter
 
     model = tiny_llama(scale=20.0)
-    gens = []
-    for kind in sorted(CACHES):
-        target = TargetModel(model, None, torch.device("cpu"), "tiny", cache=kind)
-        drafter = make_drafter(name, target)
-        gens.append([Engine(target, drafter, SamplingParams()).generate(p, 40) for p in PROMPTS])
-        # a drafter that keeps its own keys and values keeps them in one kind of cache at every B, whatever
-        # model.cache says (issue 77; the rows of a batch, written in place)
-        layers = own_cache_layers(drafter)
-        assert (name in ("pld", "medusa")) == (not layers)
-        assert all(isinstance(x, PreallocatedLayer) for x in layers)
-        # sized as the target's cache for the generation (prompt + budget + a tree), not grown
-        assert {x.capacity for x in layers} <= {len(PROMPTS[-1]) + 40 + 256}
-    for dyn, pre, prompt in zip(*gens, PROMPTS):
-        assert pre.new_tokens == dyn.new_tokens == hf_greedy(model, prompt, 40)
-        assert pre.tokens_per_step == dyn.tokens_per_step
+    target = TargetModel(model, None, torch.device("cpu"), "tiny")
+    drafter = make_drafter(name, target)
+    for prompt in PROMPTS:
+        assert Engine(target, drafter, SamplingParams()).generate(prompt, 40).new_tokens == hf_greedy(model, prompt, 40)
+    layers = own_cache_layers(drafter)
+    assert (name in ("pld", "medusa")) == (not layers)
+    assert all(isinstance(x, PreallocatedLayer) for x in layers)
+    assert {x.capacity for x in layers} <= {len(PROMPTS[-1]) + 40 + 256}
 
 
 def own_cache_layers(drafter) -> list:
@@ -95,16 +89,15 @@ def test_a_target_whose_layers_it_cannot_hold_is_refused_in_one_line():
 
     cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, sliding_window=16)
-    with pytest.raises(SpecbenchError, match="full-attention layers only"):
-        TargetModel(MistralForCausalLM(cfg), None, torch.device("cpu"), "m", cache="preallocated")
-    with pytest.raises(SpecbenchError, match="model.cache='static' is not one of dynamic, preallocated"):
-        TargetModel(tiny_llama(), None, torch.device("cpu"), "t", cache="static")
+    target = TargetModel(MistralForCausalLM(cfg), None, torch.device("cpu"), "m")
+    with pytest.raises(SpecbenchError, match="full-attention layers only; mistral has "):
+        target.new_cache(64, ragged=True)  # the cache every decode runs on, before the first forward
 
 
 def test_make_limit_reports_the_baseline_against_the_bare_matmul_time(tiny_checkpoint, question_file, tmp_path):
-    """specbench/tools/limit.py on the tiny target: a bare-matmul time over its 6 x 7 + 1 weight matrices, and each cache's
-    baseline ms per token with its overhead share, eager and compiled (measured, so only their signs and shapes are
-    checked)."""
+    """specbench/tools/limit.py on the tiny target: a bare-matmul time over its 6 x 7 + 1 weight matrices, and the
+    baseline's ms per token with its overhead share, eager (on the preallocated cache every decode runs on) and
+    compiled (measured, so only their signs and shapes are checked)."""
     from hydra import compose, initialize_config_dir
 
     from specbench.core.config import register_schema
@@ -119,7 +112,7 @@ def test_make_limit_reports_the_baseline_against_the_bare_matmul_time(tiny_check
                                                       f"out.root={tmp_path}"])
     r = run_limit(cfg)
     assert r["weight_matrices"] == 6 * 7 + 1 and r["bare_ms_per_token"] > 0
-    assert set(r["eager"]) == {"dynamic", "preallocated"}
+    assert set(r["eager"]) == {"preallocated"}
     # each path slower than the bare matmuls of its weights (a share of 0 or less: a wrong denominator or bare loop)
     assert all(0 < row["overhead_share"] < 1 for row in [*r["eager"].values(), r["compiled"]])  # + model.compile's row
     assert all(row["baseline_ms_per_token"] > r["bare_ms_per_token"] for row in [*r["eager"].values(), r["compiled"]])

@@ -386,10 +386,10 @@ def choose_tree(target, auto: AutoConfig, make_drafter: Callable[[dict], Drafter
     context = prompt + run_tokens // 2
     sizes = sorted({q for q in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96) if q <= base_nodes(base) + 1}
                    | {base_nodes(base) + 1})
-    # the target's path changes its costs: a cache or compile that is not the default, a batch, names its own files
-    path = {**({"cache": target.cache} if target.cache != "dynamic" else {}),
-            # (True: inductor's; another backend's name keeps its timings apart)
-            **({"compile": target.compiled.backend} if target.compiled is not None else {}),
+    # the target's path changes its costs: a compile or a batch names its own files (so did model.cache=preallocated,
+    # gone with issue 77: every path's cache is the preallocated one; True: inductor's, another backend's name keeps
+    # its timings apart)
+    path = {**({"compile": target.compiled.backend} if target.compiled is not None else {}),
             **({"batch": batch} if batch > 1 else {}),
             # batch 1 on the batch's path (issue 77): the files of decoding.ragged=true's, the lone path's apart
             **({"ragged": True} if batch == 1 else {})}

@@ -48,9 +48,6 @@ def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -
             "device_map": cfg.device_map,
             # only when set: runs made before the option keep their names (the fast tokenizer was the only one)
             **({} if cfg.use_fast_tokenizer else {"use_fast_tokenizer": False}),
-            # (the same: DynamicCache was the only cache; a preallocated one computes the same attention, yet a run
-            # says which it decoded with)
-            **({} if cfg.cache == "dynamic" else {"cache": cfg.cache}),
             # (compiled kernels may round differently from eager ones: a compiled run is a run of its own; True is
             # inductor's, a run through another backend names it)
             **({"compile": compile_option(cfg.compile)} if cfg.compile else {})}
@@ -83,8 +80,12 @@ def recorded_key(head: dict) -> dict:
     cfg = head["config"]
     identity = head.get("model_identity")
     if identity is None:
-        m, device = cfg["model"], torch.device(head["env"]["device"])
+        m, device = dict(cfg["model"]), torch.device(head["env"]["device"])
+        # model.cache, gone since every decode runs on the preallocated cache (issue 77): a run of before named it
+        # when it was not the default dynamic
+        cache = m.pop("cache", "dynamic")
         identity = model_identity(to_dataclass(ModelConfig, m), device, pick_dtype(m.get("dtype", "float32"), device))
+        identity |= {} if cache == "dynamic" else {"cache": cache}
     return run_key(identity, cfg["drafter"], cfg["dataset"], cfg["decoding"], cfg["bench"]["repeats"], cfg["seed"])
 
 
@@ -200,7 +201,7 @@ class Runner:
                                  f"{self.dataset_cfg.limit}); give dataset.limit={self.decoding.batch_size} or more")
         compile = compile_option(self.model_cfg.compile)  # (refused before loading)
         model, tok, device = load_model(self.model_cfg)
-        self.target = TargetModel(model, tok, device, self.model_cfg.name, cache=self.model_cfg.cache, compile=compile)
+        self.target = TargetModel(model, tok, device, self.model_cfg.name, compile=compile)
         self.identity = model_identity(self.model_cfg, device, self.target.dtype)
         self.exp_dir = Path(cfg.out.root) / cfg.out.experiment
         self.tree_auto: dict | None = None  # tree=auto: the chosen tree and its prediction (run.json)

@@ -35,9 +35,6 @@ class ModelConfig:
     # whole model on `device`. The engine works on the input embeddings' device; logits and hidden states come back
     # there (specbench/decode/target.py), and the cache is compacted on each layer's own device.
     device_map: Any = None
-    # the target's KV cache: dynamic = transformers' DynamicCache (a torch.cat of every layer's cache per forward);
-    # preallocated = buffers sized to the run's context, written in place (specbench/decode/kvcache.py, issue 30)
-    cache: str = "dynamic"
     # compile = true: the target's tree forwards run through torch.compile over a static cache, trees padded to
     # fixed row-count buckets (specbench/decode/compiled.py BUCKETS) so nothing recompiles per step (CUDA: with CUDA graphs,
     # mode reduce-overhead; issue 30); a batch on a static cache of its batch bucket (BATCH_BUCKETS). true is inductor;

@@ -13,9 +13,9 @@ stay) and, while a tree grows, drafted entries behind them (which go). A step is
 
 (`dc.append(step, fresh, *inputs, region=...)` in place of the first three for layers that are not an HF decoder),
 and `dc.keep(leave)` when finished rows leave the batch. The cache is a PreallocatedCache written at each row's own
-length, or model.compile's StaticCache, whatever model.cache says: at batch 1 the rows are one, the cache unragged (a
-slice write), and a new row's entries are causal among themselves, so no mask is built for them (the model's causal
-one): an optimisation inside the one path, not a second path.
+length, or model.compile's StaticCache: at batch 1 the rows are one, the cache unragged (a slice write), and a new
+row's entries are causal among themselves, so no mask is built for them (the model's causal one): an optimisation
+inside the one path, not a second path.
 
 `CompiledTree` runs `grow` under model.compile as one compiled region: the same `grow` function the eager path calls,
 with `laid_out=True` (its forwards inside the region, specbench/decode/compiled.py `decode`).

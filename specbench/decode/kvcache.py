@@ -180,8 +180,9 @@ class PreallocatedCache(Cache):
         kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
         if kinds != {"full_attention"} or getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window",
                                                                                              True):
-            raise SpecbenchError(f"model.cache=preallocated holds full-attention layers only; {text.model_type} has "
-                             f"{', '.join(sorted(kinds))}{' with a sliding window' if kinds == {'full_attention'} else ''}")
+            window = " with a sliding window" if kinds == {"full_attention"} else ""
+            raise SpecbenchError(f"the preallocated KV cache every decode runs on holds full-attention layers only; "
+                                 f"{text.model_type} has {', '.join(sorted(kinds))}{window}")
         super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(text.num_hidden_layers)])
 
     def set_row_lengths(self, lengths: RowCounts | Sequence[int]) -> None:

@@ -2,7 +2,11 @@
 
 No forked modeling code: a tree forward is an ordinary forward of the decoder with an additive mask; the LM head is
 applied only to the rows whose logits are needed. After verification the cache keeps the accepted path: its entries
-are moved into place behind the root and the rest is cropped (EAGLE's way), never a rebuild of the prefix.
+are moved into place behind the root and the rest is dropped (EAGLE's way), never a rebuild of the prefix.
+
+Every decode, at every batch size, runs on one kind of cache: the preallocated one (specbench/decode/kvcache.py), or
+model.compile's static one. `verify` and `compact_cache` (one tree over a cache of one length) serve
+specbench/tools/gpu_check.py's verify timing and the tests; the engine verifies through its own rows path.
 """
 from __future__ import annotations
 
@@ -19,8 +23,6 @@ from specbench.decode.rows import RowCounts
 
 from specbench.decode.tree import tree_attention_mask, tree_position_ids
 
-CACHES = ("dynamic", "preallocated")  # model.cache
-
 
 @dataclass
 class TargetForward:
@@ -33,15 +35,11 @@ class TargetModel:
     """Owns nothing but the model: each generation creates its own cache with `new_cache()`."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, device: torch.device, name: str,
-                 cache: str = "dynamic", compile: bool | str = False):
+                 compile: bool | str = False):
         cfg = model.config
-        if cache not in CACHES:
-            raise SpecbenchError(f"model.cache={cache!r} is not one of {', '.join(CACHES)}")
-        if cache == "preallocated":
-            PreallocatedCache(cfg, 1)  # a config it cannot hold fails here, in one line, not mid-run
         if getattr(cfg, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model_type}: logit soft-capping is not supported by TargetModel")
-        self.model, self.tokenizer, self.device, self.name, self.cache = model, tokenizer, device, name, cache
+        self.model, self.tokenizer, self.device, self.name = model, tokenizer, device, name
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = self.lm_head.weight.shape[0]
@@ -65,22 +63,24 @@ class TargetModel:
         return self.lm_head.weight.dtype
 
     def new_cache(self, capacity: int | None = None, batch: int = 1, ragged: bool = False) -> Cache:
-        """A fresh cache for one generation; `capacity`: the positions it will hold (a preallocated cache sizes its
-        buffers to it; it grows past it if it must). Compiled: the compiled decoder's one static cache for `batch`
-        rows, cleared (specbench/decode/compiled.py: reused across generations, replaced when one needs more
-        positions or another batch bucket). ragged: `batch` rows each written at its own length (batched decoding): a
-        preallocated cache when not compiled, whatever model.cache says."""
+        """A fresh cache; `capacity`: the positions it will hold (a preallocated cache sizes its buffers to it; it
+        grows past it if it must). ragged: the cache every decode runs on, `batch` rows each written at its own length:
+        a PreallocatedCache (a target whose layers it cannot hold, sliding-window ones, is refused here in one line);
+        compiled, the compiled decoder's one static cache for `batch` rows, cleared (specbench/decode/compiled.py:
+        reused across generations, replaced when one needs more positions or another batch bucket). Not ragged: for
+        a forward outside the engine (training features, gpu_check's verify timing, tests), transformers'
+        DynamicCache (compiled: the static cache as above)."""
         if self.compiled is not None:
             return self.compiled.new_cache(capacity, batch)
-        if ragged or self.cache == "preallocated":
+        if ragged:
             return PreallocatedCache(self.model.config, capacity or 1024)
         return DynamicCache(config=self.model.config)
 
     def drafter_cache(self, config, capacity: int, decoder: nn.Module | None = None, rows: int = 1) -> Cache:
         """A drafter's own cache for `config`'s layers (specbench/decode/draftcache.py DraftCache, at every B): a
-        preallocated cache of `capacity` positions, whatever model.cache says, its `rows` rows each written at its
-        own length (grown past the capacity if it must). Compiled, for a drafter that names its `decoder` and runs it
-        through specbench.compiled.decode: that decoder's static cache for `rows` batch rows (its graphs built on it);
+        preallocated cache of `capacity` positions, its `rows` rows each written at its own length (grown past the
+        capacity if it must). Compiled, for a drafter that names its `decoder` and runs it through
+        specbench.compiled.decode: that decoder's static cache for `rows` batch rows (its graphs built on it);
         a drafter whose layers are not an HF decoder (EAGLE-3, Beagle, MoA) names one of its modules as the key of a
         static cache of `config`'s layer count, which its own compiled regions write."""
         if self.drafter_decoders is not None and decoder is not None:

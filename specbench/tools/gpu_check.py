@@ -10,7 +10,8 @@ downloaded: every target is built on the device from a Llama config with random 
   2. per real shape (random bf16 Llama-2-7B and Llama-3-8B, GQA; `--shapes`), one prompt of `--prompt` tokens and
      `--new` new tokens, in these parts:
      - timings: ms per token: the HBM floor (the weight bytes at the bandwidth measured by a device copy), bare
-       F.linear over every weight matrix, our baseline eager (dynamic and preallocated caches) and compiled;
+       F.linear over every weight matrix, our baseline eager (on the preallocated cache every decode runs on; the
+       records of before issue 77 also timed transformers' DynamicCache) and compiled;
      - verify: verify ms against tree size (chains of 1..128 nodes), eager and compiled (a chain whose rows pass the
        largest compiled bucket runs eagerly even on the compiled target: its compiled cell says so, untimed);
      - profile: the compiled baseline step's device time by kernel class (matmul, attention, norms and elementwise,
@@ -325,7 +326,7 @@ def compiled_covers(n: int) -> bool:
 
 def verify_ms(target: TargetModel, prompt: list[int], sizes, repeats: int) -> dict[int, float]:
     """One verification forward over a chain of n nodes after the prompt (ms, best of repeats; each repeat on a
-    freshly prefilled cache, untimed)."""
+    freshly prefilled cache, untimed): the cache the engine decodes on (eager: the preallocated one)."""
     from specbench.decode.tree import ancestor_matrix
 
     dev = target.device
@@ -336,7 +337,7 @@ def verify_ms(target: TargetModel, prompt: list[int], sizes, repeats: int) -> di
         nodes = torch.randint(0, target.vocab_size, (1, n), device=dev)
         best = float("inf")
         for _ in range(repeats + 1):  # the first builds what a first forward of this size builds
-            cache = target.new_cache(len(prompt) + n + 1)
+            cache = target.new_cache(len(prompt) + n + 1, ragged=True)
             target.prefill(ids[:, :-1], cache)
             sync(target.devices)
             t0 = time.perf_counter()
@@ -457,8 +458,7 @@ class Shape:
 
     def target(self, path: str) -> TargetModel:
         if path not in self.targets:
-            kw = {"eager, dynamic cache": {}, "eager, preallocated cache": {"cache": "preallocated"},
-                  "compiled": {"compile": self.setup.backend}}[path]
+            kw = {"eager": {}, "compiled": {"compile": self.setup.backend}}[path]
             self.targets[path] = TargetModel(self.model, None, self.setup.device, self.label, **kw)
         return self.targets[path]
 
@@ -487,18 +487,19 @@ def measure_law(setup: Setup, part: Part, progress: isolated.Progress) -> None:
 
 
 def measure_timings(setup: Setup, part: Part, progress: isolated.Progress) -> None:
-    """The ms-per-token paths: the HBM floor, bare F.linear, our baseline eager (both caches) and compiled."""
+    """The ms-per-token paths: the HBM floor, bare F.linear, our baseline eager (its preallocated cache) and
+    compiled."""
     from specbench.tools.limit import bare_ms, weight_matrices
 
     shape, args = build_shape(setup, part.label), setup.args
-    base = shape.target("eager, dynamic cache")
+    base = shape.target("eager")
     wbytes = sum(w.numel() * w.element_size() for w in weight_matrices(base))
     bw = bandwidth_gbs(setup.device)
     row = progress.data
     row |= {"weight_bytes": wbytes, "bandwidth_gbs": bw, "ms_per_token": {"HBM floor": 1e3 * wbytes / (bw * 1e9),
                                                                            "bare F.linear": bare_ms(base, args.repeats)}}
     progress.save()
-    for path in ("eager, dynamic cache", "eager, preallocated cache", "compiled"):
+    for path in ("eager", "compiled"):
         engine = Engine(shape.warm(path), NoDrafter(), SamplingParams())
         row["ms_per_token"][f"ours, {path}"] = min(per_token_ms(engine.generate(shape.prompt, args.new))
                                                    for _ in range(args.repeats))
@@ -513,7 +514,7 @@ def measure_verify(setup: Setup, part: Part, progress: isolated.Progress) -> Non
     covered = [n for n in sizes if compiled_covers(n)]
     rows = progress.data.setdefault("verify_ms", {})
     progress.data["verify_compiled"] = {str(n): compiled_covers(n) for n in sizes}
-    for path, timed_sizes in (("eager, dynamic cache", sizes), ("compiled", covered)):
+    for path, timed_sizes in (("eager", sizes), ("compiled", covered)):
         rows[path] = {str(n): ms for n, ms in verify_ms(shape.target(path), shape.prompt, timed_sizes,
                                                         args.repeats).items()}
         progress.save()
@@ -529,7 +530,7 @@ def measure_drafters(setup: Setup, part: Part, progress: isolated.Progress) -> N
     """Each timed drafter at its paper tree on one path (part.mode), after the baseline's warm decode; eager, its
     first pass against its repeat too. The predicted speedup needs the timings part's baseline: the parent adds it."""
     shape, args = build_shape(setup, part.label), setup.args
-    target = shape.warm("compiled" if part.mode == "compiled" else "eager, dynamic cache")
+    target = shape.warm("compiled" if part.mode == "compiled" else "eager")
     board = published_board()
     drafters, first = progress.data.setdefault("drafters", {}), progress.data.setdefault("first_pass", {})
     for name in setup.timed_names:
@@ -555,7 +556,7 @@ def measure_drafters(setup: Setup, part: Part, progress: isolated.Progress) -> N
 
 def measure_batch(setup: Setup, part: Part, progress: isolated.Progress) -> None:
     shape, args = build_shape(setup, part.label), setup.args
-    target = shape.target("compiled" if part.mode == "compiled" else "eager, dynamic cache")
+    target = shape.target("compiled" if part.mode == "compiled" else "eager")
     sizes = tuple(int(n) for n in args.batch_sizes.split(","))
     batch = progress.data.setdefault("batch", {})
     for name in batch_drafters(args):
@@ -632,7 +633,8 @@ def part_main(payload: tuple, progress: isolated.Progress) -> None:
 
 
 # ---- the record ----------------------------------------------------------------------------------------------------
-BASELINE = {"eager": "ours, eager, dynamic cache", "compiled": "ours, compiled"}
+# (the records of before issue 77 name the eager one "ours, eager, dynamic cache")
+BASELINE = {"eager": "ours, eager", "compiled": "ours, compiled"}
 
 
 def merge(check: Check, part: Part, outcome: isolated.Outcome) -> None:

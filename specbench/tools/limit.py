@@ -1,9 +1,10 @@
 """`make limit`: how far the engine's baseline is from the device's limit (issue 30), per device and dtype.
 
   baseline   our engine with no drafter, greedy, `decoding.max_new_tokens` after each chat-templated prompt: ms per
-             decoded token ((wall - prefill) / (new tokens - 1)) over the prompts, the best of `bench.repeats`, with
-             each target cache (model.cache: dynamic, preallocated); the repeats interleave the paths and the bare
-             loop (a shared host drifts over minutes)
+             decoded token ((wall - prefill) / (new tokens - 1)) over the prompts, the best of `bench.repeats`, on
+             the cache every decode runs on (eager: the preallocated one; the records of before issue 77 also timed
+             transformers' DynamicCache, which the engine no longer decodes on); the repeats interleave the paths and
+             the bare loop (a shared host drifts over minutes)
   bare       the same weight matrices (every 2-D weight of the decoder layers and the LM head; the embedding is a row
              lookup) applied to one token's activations by torch.nn.functional.linear in a bare loop: ms per token,
              best of repeats: what reading and multiplying the weights alone costs here
@@ -28,7 +29,7 @@ from specbench.decode.drafter import NoDrafter
 from specbench.decode.engine import Engine, sync
 from specbench.errors import SpecbenchError
 from specbench.bench.run import Runner
-from specbench.decode.target import CACHES, TargetModel
+from specbench.decode.target import TargetModel
 from specbench.decode.types import SamplingParams
 
 log = logging.getLogger("specbench.limit")
@@ -82,7 +83,8 @@ def run_limit(cfg: DictConfig) -> dict:
     max_new = runner.decoding.max_new_tokens
     if max_new < 2:
         raise SpecbenchError("make limit needs decoding.max_new_tokens >= 2 (decoded tokens after the first)")
-    paths = {kind: TargetModel(base.model, base.tokenizer, base.device, base.name, cache=kind) for kind in CACHES}
+    # eager: the engine's one cache, the preallocated one (report["eager"] keyed by cache, as the records of before)
+    paths = {"preallocated": TargetModel(base.model, base.tokenizer, base.device, base.name)}
     paths["compiled"] = TargetModel(base.model, base.tokenizer, base.device, base.name, compile=True)
     engines = {k: Engine(t, NoDrafter(), SamplingParams()) for k, t in paths.items()}
     for name, engine in engines.items():

@@ -161,8 +161,7 @@ def compare_variant(runner: Runner, cfg: DictConfig, rope_theta: float | None, w
         mc = ModelConfig(**{**OmegaConf.to_container(cfg.model, resolve=True), "path": str(tdir),
                             "gguf_package": None, "name": f"{runner.model_cfg.name}@{label}"})
         model, tok, device = load_model(mc)
-        target = TargetModel(model, tok, device, mc.name, cache=mc.cache,  # as the run's target
-                             compile=compile_option(mc.compile))
+        target = TargetModel(model, tok, device, mc.name, compile=compile_option(mc.compile))  # as the run's target
     # the one trained head, written for this variant's target: the same weights, its config naming the target's RoPE
     # base (the check on loading refuses a head recorded for another base; the authors' code reads none)
     head_dir = work / f"eagle-authors-layout-{tdir.name}"
