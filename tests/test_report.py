@@ -505,12 +505,13 @@ def test_the_scaling_table_adds_each_points_measured_tau_read_back_from_its_chec
     """results/train_scaling_tau/<run>/: a decoded point's τ under the point its drafter.checkpoint names (the 1x
     weights at the budget's count), two seeds as mean ± half their range, the baseline's run (no checkpoint) left out,
     a run of another model left out."""
-    def decoded(name: str, checkpoint: str | None, dataset: str, tau: float, model: str = "m") -> None:
+    def decoded(name: str, checkpoint: str | None, dataset: str, tau: float, model: str = "m", matches: int = 2) -> None:
         run = root / "train_scaling_tau" / name
         run.mkdir(parents=True)
         (run / "run.json").write_text(json.dumps({"config": {"model": {"name": model}, "dataset": {"name": dataset},
                                                              "drafter": {"checkpoint": checkpoint}}}))
-        (run / "summary.json").write_text(json.dumps({"tau_micro": tau, "lossless": True}))
+        (run / "summary.json").write_text(json.dumps({"tau_micro": tau, "lossless": {"compared": 2, "matches": matches,
+                                                                                    "rate": matches / 2}}))
 
     root = tmp_path / "results"
     point = root / "train_scaling" / "m" / "moa" / "n200"
@@ -522,11 +523,13 @@ def test_the_scaling_table_adds_each_points_measured_tau_read_back_from_its_chec
     decoded("c", "weights/m/moa", "mtbench", 2.00)
     decoded("d", None, "mtbench", 1.00)  # the baseline
     decoded("e", "weights/other/scaling/n200/moa", "mtbench", 9.00, model="other")
+    decoded("f", "weights/m/moa", "gsm8k", 1.90, matches=1)  # a turn that differs from the baseline's: flagged
     report(root)
     table = (root / "train_scaling" / "m" / "scaling.md").read_text()
     assert "| method | dataset | 200 conv. | 1600 conv. |" in table
     assert "| moa | MT-Bench | 1.60 ± 0.10 | 2.00 |" in table
-    assert "9.00" not in table and "not lossless" not in table
+    assert "| moa | GSM8K | – | 1.90 (not lossless) |" in table
+    assert "9.00" not in table
 
 
 def test_every_drafter_has_its_own_colour_and_marker():

@@ -54,8 +54,13 @@ def measured(root: Path, model: str) -> list[Measured]:
             continue  # the baseline runs (no checkpoint)
         point = POINT.match(m["point"]) if m["point"] else None
         out.append(Measured(m["drafter"], int(point["n"]) if point else None, int(point["seed"] or 0) if point else 0,
-                            config["dataset"]["name"], s["tau_micro"], s.get("lossless")))
+                            config["dataset"]["name"], s["tau_micro"], _lossless(s.get("lossless"))))
     return out
+
+
+def _lossless(record: dict | bool | None) -> bool | None:
+    """A summary's lossless check ({compared, matches, rate}): every compared turn equal to the baseline's."""
+    return record.get("rate") == 1.0 if isinstance(record, dict) else record
 
 
 def _mean_spread(values: list[float]) -> tuple[float, float]:
