@@ -246,7 +246,7 @@ class Engine:
         # the positions a generation can reach: prompt, new tokens, and one tree past them before compaction
         need = max(lens) + max(budgets) + TREE_ROOM
         # ragged rows need buffers written in place: the preallocated cache (model.compile: the static one of a batch
-        # bucket), whatever model.cache says. Bounded by the context plus room for one padded tree: every row writes
+        # bucket). Bounded by the context plus room for one padded tree: every row writes
         # the step's widest tree (padding included), so a row near the context still writes up to max tree nodes past
         # it
         cache = target.new_cache(min(need, context + TREE_ROOM) if context else need, batch=b, ragged=True)
