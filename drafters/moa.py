@@ -484,10 +484,8 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
-        fresh = state.lengths - 1 - self.cache.verified  # the target's cached entries not yet in ours, per row
+        fresh, toks = self.cache.unseen(state, behind=1)  # the target's cached entries not yet in ours (not the root)
         if fresh.max() > 0:
-            cols = self.cache.verified.dev[:, None] + torch.arange(fresh.max(), device=state.tokens.device)  # [A, n]
-            toks = state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
             # (the target's K, V: its static buffers whole under model.compile, shapes that never change)
             self.cache.append(self._append_step, fresh, toks, region=self.append_region,
                               whole=(state.kv_static or state.kv,))

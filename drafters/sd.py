@@ -226,11 +226,8 @@ class IndependentDrafter(RowsDrafter, TrainableDrafter):
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
         a, dev = state.rows, state.tokens.device
-        # catch up: row b's tokens cached[b] .. lengths[b]-1
-        counts = state.lengths - self.cache.verified
-        cols = (self.cache.verified.dev[:, None] + torch.arange(counts.max(), device=dev)).clamp(
-            max=state.num_tokens - 1)
-        logits = self._append(state.tokens.gather(1, cols), counts)  # [A, V]
+        counts, ids = self.cache.unseen(state)  # catch up: the verified tokens the draft model has not read
+        logits = self._append(ids, counts)  # [A, V]
         if self.policy is not None:  # (model.compile: the whole tree one compiled region)
             return self.cache.grow(self._grow, logits, self.region, self.policy, logits.shape[-1])
         one = RowCounts.copy([1] * a, dev)

@@ -79,6 +79,14 @@ class DraftCache:
     def rows(self) -> int:
         return len(self.verified)
 
+    def unseen(self, state: TargetState, behind: int = 0) -> tuple[RowCounts, torch.Tensor]:
+        """The catch-up of a drafter that re-reads verified tokens (sd's draft model, MoA's layers): row b's tokens
+        verified[b] .. lengths[b] - behind - 1, those it has no entries of yet (behind: the last ones it keeps out,
+        MoA's root) -> their counts [A] and the tokens [A, n] left-aligned (past a row's count: padding)."""
+        fresh = state.lengths - behind - self.verified
+        cols = self.verified.dev[:, None] + torch.arange(fresh.max(), device=state.tokens.device)  # [A, n]
+        return fresh, state.tokens.gather(1, cols.clamp(max=state.num_tokens - 1))
+
     def rollback(self) -> None:
         """Every row back to its verified entries: what was drafted behind them is dropped (stale)."""
         self.cache.set_row_lengths(self.verified)
