@@ -222,7 +222,7 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
-        root_tok = state.tokens.gather(1, state.num_tokens_rows()[:, None] - 1)  # [A, 1] the last verified token
+        root_tok = state.lengths.last(state.tokens)[:, None]  # [A, 1] the last verified token
         states, fresh = self.pending
         self.cache.append(self._append_step, fresh, states, region=self.append_region)
         vocab = self.lm_head.weight.shape[0]

@@ -287,7 +287,7 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
         pos, mask = self.cache.extend(fresh, toks.shape[1], feats.dtype)
         out = self.head(self.embed(toks), feats.to(self.head.fc.weight.dtype), self.cache.cache, position_ids=pos,
                         attention_mask=mask)  # [A, n, H]
-        root_f = out.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]  # [A, H]
+        root_f = fresh.last(out)  # [A, H]
         self.cache.commit(fresh)
         # model.compile: the tree one compiled region (a drafter whose logits read nothing on the host)
         return self.cache.grow(self._grow, root_f, self.region if self.traceable else None, self.policy,

@@ -508,7 +508,7 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
     def propose_rows(self, state: TargetState) -> DraftTree:
         feats, toks, fresh = self.pending
         h = self.cache.append(self._append_step, fresh, toks, feats, region=self.append_region)  # [A, n, H]
-        root_h = h.gather(1, (fresh.dev - 1)[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # [A, H]
+        root_h = fresh.last(h)  # [A, H]
         return self.cache.grow(self._grow, root_h, self.region, self.policy, self.head.vocab_size)
 
     def _append_step(self, prefixes: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:

@@ -240,14 +240,8 @@ class MedusaDrafter(RowsDrafter, TrainableDrafter):
     # every row of a batch (batch 1 included) drafts in the same head forward: the heads read each row's last hidden
     # state
 
-    @staticmethod
-    def _last_hidden(state: TargetState) -> torch.Tensor:
-        """Each row's last fresh hidden state [B, H] (each row at its own count)."""
-        last = (state.fresh_rows() - 1)[:, None, None].expand(-1, 1, state.hidden.shape[-1])
-        return state.hidden.gather(1, last)[:, 0]
-
     def prefill_rows(self, state: TargetState) -> None:
-        self.last_h = self._last_hidden(state)
+        self.last_h = state.fresh.last(state.hidden)  # [B, H] each row's last fresh hidden state
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
@@ -258,7 +252,7 @@ class MedusaDrafter(RowsDrafter, TrainableDrafter):
                          priority=self.priority.expand(tokens.shape[0], -1))
 
     def on_verified_rows(self, state: TargetState) -> None:
-        self.last_h = self._last_hidden(state)
+        self.last_h = state.fresh.last(state.hidden)  # [B, H] each row's last fresh hidden state
 
     def keep_rows(self, leave) -> None:
         pass  # the next state (after the batch shrank) gives every row's hidden state afresh

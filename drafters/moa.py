@@ -489,7 +489,7 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
             # (the target's K, V: its static buffers whole under model.compile, shapes that never change)
             self.cache.append(self._append_step, fresh, toks, region=self.append_region,
                               whole=(state.kv_static or state.kv,))
-        root = state.tokens.gather(1, (state.lengths.dev - 1)[:, None])  # [A, 1]
+        root = state.lengths.last(state.tokens)[:, None]  # [A, 1]
         vocab = self.lm_head.weight.shape[0]
         # the tree's drafted entries in the SA and TLI layers: the root's and one per node fed to `expand`
         return self.cache.grow(self._grow, root, self.region, self.policy, vocab, 1 + self.policy.expanded(vocab))

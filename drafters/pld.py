@@ -76,7 +76,7 @@ class PromptLookup(RowsDrafter, Drafter):
     def propose_rows(self, state: TargetState) -> DraftTree:
         look = state.lookahead
         if look is None:  # a caller that stages nothing (a one-row wrapper, a test's state): the lookup and its read
-            look = self.lookahead_rows(state.tokens, state.num_tokens_rows())
+            look = self.lookahead_rows(state.tokens, state.lengths.dev)
             look = look.read(look.counts.tolist())
         start, count, sizes = look.data, look.counts, list(look.host)
         n = max(sizes)

@@ -201,13 +201,13 @@ class IndependentDrafter(RowsDrafter, TrainableDrafter):
                       and not any(getattr(text, k, None) for k in ("logit_scale", "final_logit_softcapping")))
         self.cache = DraftCache.for_decoder(self.target, cfg, state, self.model.get_decoder() if self.plain else None)
 
-    def _logits(self, ids: torch.Tensor, last: torch.Tensor | None = None, laid_out: bool = False,
+    def _logits(self, ids: torch.Tensor, counts: RowCounts | None = None, laid_out: bool = False,
                 **kw) -> torch.Tensor:
-        """The draft model on ids [A, Q] over its cache -> logits on the target's rows, [A, Q, V] or, with `last`
-        [A], each row's column last[b] only ([A, V]: the LM head applied to those positions alone). laid_out: inside
-        CompiledTree's region (specbench/decode/compiled.py decode)."""
+        """The draft model on ids [A, Q] over its cache -> logits on the target's rows, [A, Q, V] or, with `counts`
+        [A], each row's last column counts[b] - 1 only ([A, V]: the LM head applied to those positions alone).
+        laid_out: inside CompiledTree's region (specbench/decode/compiled.py decode)."""
         def pick(x: torch.Tensor) -> torch.Tensor:
-            return x if last is None else x.gather(1, last[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+            return x if counts is None else counts.last(x)
         if self.plain:  # (model.compile: the compiled decoder on its static cache)
             hidden = decode(self.model.get_decoder(), self.cache.cache, laid_out, input_ids=ids, **kw)
             logits = self.model.get_output_embeddings()(pick(hidden))
@@ -219,7 +219,7 @@ class IndependentDrafter(RowsDrafter, TrainableDrafter):
         """Row b's counts[b] tokens of ids [A, Q] (left-aligned) written behind its cached ones -> the logits after
         each row's last one [A, V]."""
         pos, mask = self.cache.extend(counts, ids.shape[1], self.model.get_output_embeddings().weight.dtype)
-        logits = self._logits(ids, counts.dev - 1, position_ids=pos, attention_mask=mask)
+        logits = self._logits(ids, counts, position_ids=pos, attention_mask=mask)
         self.cache.commit(counts)
         return logits
 

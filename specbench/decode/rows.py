@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
+from specbench.decode.verify import rows_at
+
 if TYPE_CHECKING:
     from specbench.decode.engine import Generation
 
@@ -70,6 +72,11 @@ class RowCounts:
 
     def max(self) -> int:
         return max(self.host, default=0)
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """x [A, n, ...] -> each row's entry at its own count - 1, [A, ...] (a row's last fresh hidden state or output,
+        its last verified token), on the device."""
+        return rows_at(x, self.dev - 1)
 
     @property
     def ragged(self) -> bool:

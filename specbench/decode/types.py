@@ -149,14 +149,6 @@ class TargetState:
     def rows(self) -> int:
         return self.tokens.shape[0]
 
-    def num_tokens_rows(self) -> torch.Tensor:
-        """[B] each row's verified tokens, on the device."""
-        return self.lengths.dev
-
-    def fresh_rows(self) -> torch.Tensor:
-        """[B] each row's hidden rows (those just written to the cache), on the device."""
-        return self.fresh.dev
-
     def _fresh_width(self) -> int:
         """n: the hidden rows' (or, for a drafter reading only `layers`, the layers' rows') padded count."""
         return (self.hidden if self.hidden is not None else self.layers).shape[1]
@@ -165,7 +157,7 @@ class TargetState:
         """[B, n] each row's tokens of its hidden rows' entries shifted by one: row b's last fresh[b] verified tokens
         (the pairs (f_i, t_{i+1}) of EAGLE-style drafters), left-aligned as `hidden` (past fresh[b]: stale)."""
         n = self._fresh_width()
-        cols = self.num_tokens_rows()[:, None] - self.fresh_rows()[:, None] + torch.arange(n, device=self.tokens.device)
+        cols = (self.lengths.dev - self.fresh.dev)[:, None] + torch.arange(n, device=self.tokens.device)
         return self.tokens.gather(1, cols.clamp(0, self.num_tokens - 1))
 
     def row(self, b: int) -> "TargetState":
