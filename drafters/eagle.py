@@ -54,7 +54,7 @@ from transformers import DynamicCache
 from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
-from drafters.trees import GrowingTree, Grown, Level, make_tree
+from drafters.trees import Grown, grow_by_features, make_tree
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import decode
 from specbench.decode.draftcache import CompiledTree, DraftCache
@@ -295,24 +295,13 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
 
     def _grow(self, root_f: torch.Tensor, at, laid_out: bool) -> Grown:
         """The tree policy grown from the root's feature [A, H]; each level one head forward over its [A, m] nodes in
-        the head's cache, at the positions and mask `at(seen [A, m, S], depth, dtype)` gives (laid_out: inside
+        the head's cache, a node's input pair (its parent's predicted feature, its token) (laid_out: inside
         CompiledTree's region, which sets the cache's write offsets there). Tensor ops only."""
-        a, h = root_f.shape
-        book = GrowingTree(self.policy.max_nodes, root_f.device, trees=a)
-        feats = root_f.new_empty(a, self.policy.max_nodes + 1, h)  # [A, 1 + nodes, H] row v+1: node v's
-        feats[:, 0] = root_f  # row 0: the root's
+        def step(tokens: torch.Tensor, f_in: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.head(self.embed(tokens), f_in, self.cache.cache, position_ids=pos, attention_mask=mask,
+                             laid_out=laid_out)
 
-        def expand(level: Level) -> torch.Tensor:
-            # a node's input pair: (its parent's predicted feature, its token)
-            f_in = feats.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, h))  # [A, m, H]
-            seen = book.add(level.nodes, level.parents)  # [A, m, S]
-            pos, mask = at(seen, level.depth, f_in.dtype)
-            f = self.head(self.embed(level.tokens), f_in, self.cache.cache, position_ids=pos, attention_mask=mask,
-                          laid_out=laid_out)  # [A, m, H]
-            feats.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, h), f)
-            return self._logits(f)
-
-        return self.policy.grow_rows(self._logits(root_f), expand)
+        return grow_by_features(self.policy, root_f, at, root_f.dtype, step, self._logits)
 
     def on_verified_rows(self, state: TargetState) -> None:
         # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})

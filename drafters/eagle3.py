@@ -57,7 +57,7 @@ from safetensors.torch import save_file
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from drafters.trees import GrowingTree, Grown, Level, make_tree
+from drafters.trees import Grown, grow_by_features, make_tree
 from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import Region
 from specbench.decode.draftcache import CompiledTree, DraftCache
@@ -523,22 +523,13 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
         positions and mask `at(seen [A, m, S], depth, dtype)` gives (laid_out: inside CompiledTree's region, which
         also sets the static cache's write offsets; the head writes through `past` either way)."""
         del laid_out
-        a = root_h.shape[0]
-        book = GrowingTree(self.policy.max_nodes, root_h.device, trees=a)
-        hs = root_h.new_empty(a, self.policy.max_nodes + 1, root_h.shape[-1])  # [A, 1 + nodes, H] row v+1: node v's
-        hs[:, 0] = root_h
 
-        def expand(level: Level) -> torch.Tensor:
-            d = hs.shape[-1]
-            h_in = hs.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, d))  # a node's parent's output
-            seen = book.add(level.nodes, level.parents)  # [A, m, S]
-            pos, mask = at(seen, level.depth, self.head.fc.weight.dtype)
-            # the level's K, V appended behind the verified pairs and the earlier levels
-            out = self.head.step(self.embed(level.tokens), h_in, pos, self.past, mask)
-            hs.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, d), out)
-            return self.head.target_logits(out)
+        def step(tokens: torch.Tensor, h_in: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            # a node's token and its parent's output; the level's K, V appended behind the verified pairs and the
+            # earlier levels
+            return self.head.step(self.embed(tokens), h_in, pos, self.past, mask)
 
-        return self.policy.grow_rows(self.head.target_logits(root_h), expand)
+        return grow_by_features(self.policy, root_h, at, self.head.fc.weight.dtype, step, self.head.target_logits)
 
     def on_verified_rows(self, state: TargetState) -> None:
         # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)

@@ -96,6 +96,31 @@ class GrowingTree:
         return rows
 
 
+# step(tokens [A, m], parents' features [A, m, D], positions [A, m], mask) -> the nodes' features [A, m, D]
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grow_by_features(policy, root: torch.Tensor, at, dtype: torch.dtype, step: Step,
+                     logits: Callable[[torch.Tensor], torch.Tensor]) -> Grown:
+    """Feature-level autoregression (EAGLE-1/2, HASS, CORAL, EAGLE-3): the policy's trees grown from each row's root
+    feature root [A, D], a node's input being its token and its parent's output feature (the root's at depth 1). Each
+    level is one `step` over its [A, m] nodes, at the geometry at(seen [A, m, S], depth, dtype) gives in the drafter's
+    cache (specbench/decode/draftcache.py At); logits(features [.., D]) -> [.., V] scores their children."""
+    a, d = root.shape
+    book = GrowingTree(policy.max_nodes, root.device, trees=a)
+    feats = root.new_empty(a, policy.max_nodes + 1, d)  # [A, 1 + nodes, D] row v+1: node v's output
+    feats[:, 0] = root  # row 0: the root's
+
+    def expand(level: Level) -> torch.Tensor:
+        f_in = feats.gather(1, (level.parents + 1)[:, :, None].expand(-1, -1, d))  # [A, m, D] the parents' outputs
+        pos, mask = at(book.add(level.nodes, level.parents), level.depth, dtype)
+        f = step(level.tokens, f_in, pos, mask)  # [A, m, D]
+        feats.scatter_(1, (level.nodes + 1)[:, :, None].expand(-1, -1, d), f)
+        return logits(f)
+
+    return policy.grow_rows(logits(root), expand)
+
+
 def sorted_paths(paths: list[list[int]], max_depth: int | None = None) -> tuple[list[list[int]], list[int]]:
     """Sort top-rank paths by (length, ranks); return them with each one's parent index. Every prefix must exist."""
     paths = sorted((list(p) for p in paths), key=lambda p: (len(p), p))
