@@ -184,7 +184,6 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     Options = EagleOptions
     w_cls = 0.1  # Sec. 4.2: L = L_reg + w_cls L_cls
     prunable = True  # its drafting applies the target's whole LM head: module.draft_vocab may prune it
-    traceable = True  # draft_logits has no host read: with model.compile the tree grows in one compiled region
 
     def __init__(self, target, checkpoint: str | None = None, module: dict | None = None, tree: dict | None = None):
         self.head = self.load_module(target, checkpoint, module)
@@ -289,9 +288,8 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
                         attention_mask=mask)  # [A, n, H]
         root_f = fresh.last(out)  # [A, H]
         self.cache.commit(fresh)
-        # model.compile: the tree one compiled region (a drafter whose logits read nothing on the host)
-        return self.cache.grow(self._grow, root_f, self.region if self.traceable else None, self.policy,
-                               self.lm_head.weight.shape[0])
+        # model.compile: the tree one compiled region (draft_logits reads nothing on the host, CORAL's router's neither)
+        return self.cache.grow(self._grow, root_f, self.region, self.policy, self.lm_head.weight.shape[0])
 
     def _grow(self, root_f: torch.Tensor, at, laid_out: bool) -> Grown:
         """The tree policy grown from the root's feature [A, H]; each level one head forward over its [A, m] nodes in

@@ -118,7 +118,7 @@ def test_coral_routers_tree_grows_in_the_compiled_region(compiled, routing, monk
     sizes on the device; `masked`: the whole head), so either grows the tree in the one compiled region, as eagle's:
     lossless at B = 1 and B = 3, and the warm graphs recompile nothing."""
     drafter = make_drafter("coral_router", compiled, f"drafter.module.routing={routing}")
-    assert drafter.traceable and drafter.head.router.routing == routing
+    assert drafter.head.router.routing == routing
     grows = []
     grow = drafter.region.grow
     monkeypatch.setattr(drafter.region, "grow", lambda *a: grows.append(1) or grow(*a))
