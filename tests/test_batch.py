@@ -158,10 +158,10 @@ def test_every_drafter_batched_stops_a_row_at_an_eos_inside_its_accepted_path(na
 
 @pytest.mark.parametrize("name", DRAFTER_CONFIGS)
 def test_one_engine_read_per_step(name):
-    """The engine reads the whole batch's trees and outcomes with one transfer per step (rows leaving the batch cost
-    one copy of their index to the device); a batched drafter (every row in the same calls) reads per step what it
-    reads per step for one row (pld: its one read; coral_router: one per tree level), whatever B. Every drafter
-    config is batched."""
+    """The engine reads the whole batch's outcome with one transfer per step (rows leaving the batch cost one copy of
+    their index to the device); a batched drafter (every row in the same calls) reads per step what it reads per step
+    for one row, whatever B: none of its own since issue 77 (pld's counts travel in the engine's read, coral_router
+    routes on the device). Every drafter config is batched."""
     t = target_for()
     engine = Engine(t, make_drafter(name, t), SamplingParams())
     engine.generate_batch(PROMPTS, 20)
@@ -350,8 +350,8 @@ def test_a_batched_drafters_rows_are_each_rows_own_proposal(name):
 
 
 def test_row_counts_change_on_both_sides_together():
-    """RowCounts: arithmetic, clamping and a leave give the same counts on the host and on the device; a host-only
-    count (a lone row's path) stays host-only and is refused beside one on the device."""
+    """RowCounts: arithmetic, clamping and a leave give the same counts on the host and on the device; counts of
+    different row numbers are refused."""
     a, b = RowCounts.copy([4, 2, 7], None), RowCounts.copy([1, 3, 0], None)
     for got, want in ((a + b, [5, 5, 7]), (a - b, [3, -1, 7]), (a + 2, [6, 4, 9]), ((a - b).clamp(min=0, max=5),
                                                                                     [3, 0, 5])):
@@ -360,9 +360,5 @@ def test_row_counts_change_on_both_sides_together():
     leave = Leave([2, 1], torch.tensor([2, 1]), torch.tensor([2]), torch.tensor([0]))
     kept = a.keep(leave)
     assert kept.host == (7, 2) and kept.dev.tolist() == [7, 2]
-    lone = RowCounts((5,)) + 3
-    assert lone.host == (8,) and lone.dev is None
-    with pytest.raises(ValueError):
-        lone + RowCounts.copy([1], None)
     with pytest.raises(ValueError):
         a + RowCounts.copy([1, 2], None)

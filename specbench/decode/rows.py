@@ -43,10 +43,10 @@ class RowCounts:
     """A count per live row (a cache's entries, a row's verified tokens, its fresh hidden rows), held where each of its
     two readers needs it: `host` sizes a step in Python (a forward's width, a mask's columns, a row's slice) and `dev`
     feeds the step's tensor ops (positions, write offsets, gathers) without a host read. Both change together, here:
-    a count is never advanced on one side by hand. `dev` None: a lone row's path, counted on the host only."""
+    a count is never advanced on one side by hand."""
 
     host: tuple[int, ...]
-    dev: torch.Tensor | None = None  # [A] int64, the same counts on the device
+    dev: torch.Tensor  # [A] int64, the same counts on the device
 
     @classmethod
     def zeros(cls, rows: int, device: torch.device | str | None) -> "RowCounts":
@@ -83,30 +83,24 @@ class RowCounts:
         """Rows of different counts."""
         return len(set(self.host)) > 1
 
-    def _dev_with(self, other: "RowCounts | int", op) -> torch.Tensor | None:
-        if isinstance(other, int):
-            return None if self.dev is None else op(self.dev, other)
-        if (self.dev is None) != (other.dev is None):
-            raise ValueError("RowCounts: a host-only count combined with one on the device")
-        return None if self.dev is None else op(self.dev, other.dev)
-
     def __add__(self, other: "RowCounts | int") -> "RowCounts":
-        host = tuple(a + other for a in self.host) if isinstance(other, int) else _zip(self.host, other.host, int.__add__)
-        return RowCounts(host, self._dev_with(other, torch.add))
+        if isinstance(other, int):
+            return RowCounts(tuple(a + other for a in self.host), self.dev + other)
+        return RowCounts(_zip(self.host, other.host, int.__add__), self.dev + other.dev)
 
     def __sub__(self, other: "RowCounts | int") -> "RowCounts":
-        host = tuple(a - other for a in self.host) if isinstance(other, int) else _zip(self.host, other.host, int.__sub__)
-        return RowCounts(host, self._dev_with(other, torch.sub))
+        if isinstance(other, int):
+            return RowCounts(tuple(a - other for a in self.host), self.dev - other)
+        return RowCounts(_zip(self.host, other.host, int.__sub__), self.dev - other.dev)
 
     def clamp(self, min: int | None = None, max: int | None = None) -> "RowCounts":
         lo, hi = -(1 << 62) if min is None else min, (1 << 62) if max is None else max
         host = tuple(sorted((lo, n, hi))[1] for n in self.host)
-        return RowCounts(host, None if self.dev is None else self.dev.clamp(min=min, max=max))
+        return RowCounts(host, self.dev.clamp(min=min, max=max))
 
     def keep(self, leave: "Leave") -> "RowCounts":
         """The counts of the rows a leave keeps, in their new order."""
-        return RowCounts(tuple(self.host[i] for i in leave.index),
-                         None if self.dev is None else self.dev.index_select(0, leave.index_t))
+        return RowCounts(tuple(self.host[i] for i in leave.index), self.dev.index_select(0, leave.index_t))
 
 
 def _zip(a: tuple[int, ...], b: tuple[int, ...], op) -> tuple[int, ...]:
