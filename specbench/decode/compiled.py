@@ -86,7 +86,7 @@ class CompiledDecoder:
         self._decoder = weakref.ref(decoder)  # (weak: CompiledDecoders keys on the decoder, and a value must not keep it)
         self.config, self.device, self.backend = config, device, backend
         self.step = torch_compile(self._step, device, backend)
-        self._caches: dict[bool, StaticCache] = {}  # batch 1 or not -> its cache
+        self._caches: dict[bool, StaticCache] = {}  # bucket 1 (a batch of one) or a larger one -> its cache
         self._last: StaticCache | None = None  # the one handed out last
         self.warned = False  # a forward of more rows than the largest bucket was logged
 
@@ -106,12 +106,12 @@ class CompiledDecoder:
         padding); batch 1 on a cache of its own, kept beside it."""
         need = (capacity or 1024) + max(BUCKETS)
         rows = next((k for k in BATCH_BUCKETS if k >= batch), batch)
-        lone = rows == 1
-        held = self._caches.get(lone)
+        one_row = rows == 1
+        held = self._caches.get(one_row)
         if held is None or held.capacity < need or held.batch < rows:
-            self._caches.pop(lone, None)  # (the old buffers go before the new ones are allocated)
+            self._caches.pop(one_row, None)  # (the old buffers go before the new ones are allocated)
             self._last = None
-            held = self._caches[lone] = StaticCache(self.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device,
+            held = self._caches[one_row] = StaticCache(self.config, STATIC_BLOCK * -(-need // STATIC_BLOCK), self.device,
                                                     runner=self, batch=rows)
         held.reset()
         self._last = held
