@@ -286,15 +286,15 @@ def _differ(one: dict | None, other: dict | None) -> str:
 
 
 def compiled_key(summary: dict, head: dict) -> tuple:
-    """The two_baselines table's cell: (drafter, dataset, the compile backend: "" when eager, temperature, cache kind:
-    model.cache, or `static` when compiled, batch size B), so that runs of another backend, temperature, cache or B
-    never overwrite one another. The run's identity says `compile: true` for inductor (run names before the option
-    took a backend's name) and the backend's name for any other."""
+    """The two_baselines table's cell: (drafter, dataset, the compile backend: "" when eager, temperature, batch size
+    B), so that runs of another backend, temperature or B never overwrite one another. The run's identity says
+    `compile: true` for inductor (run names before the option took a backend's name) and the backend's name for any
+    other. (Every eager decode runs on one cache kind since issue 77: a run's model.cache, which old runs record, is not
+    a setting of its own.)"""
     compile_ = (head.get("model_identity") or {}).get("compile") or ""
     backend = "inductor" if compile_ is True else str(compile_)
-    cache = "static" if backend else head["config"]["model"].get("cache", "dynamic")
     batch = int(head["config"]["decoding"].get("batch_size", 1))
-    return summary["drafter"], summary["dataset"], backend, float(summary["temperature"]), cache, batch
+    return summary["drafter"], summary["dataset"], backend, float(summary["temperature"]), batch
 
 
 def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
@@ -309,18 +309,17 @@ def baselines_report(exp_dir: Path, table: BaselinesTable) -> list[Path]:
         present = {k[1] for k in cells}
         datasets = [d for d in table.datasets if d in present] + sorted(present - set(table.datasets))
         drafters = sorted({k[0] for k in cells if k[0] != "none"})
-        variants = sorted({(k[3], k[4], k[5]) for k in cells if not k[2]})  # (temperature, eager cache, B)
+        variants = sorted({(k[3], k[4]) for k in cells if not k[2]})  # (temperature, B) of the eager runs
         # each compile backend against the eager runs in rows of its own: a cell never mixes two backends' kernels
         backends = sorted({k[2] for k in cells if k[2]}) or ["inductor"]
         head = ["method", "dataset", "τ eager", "τ compiled", "turns ≠ (eager vs compiled)", "eager vs eager baseline",
                 "compiled vs compiled baseline", "eager vs compiled baseline", "speedup kept"]
         rows = []
         for ds in datasets:
-            for (temp, kind, b), backend in itertools.product(variants, backends):
-                label = ((ds if {(t, k) for t, k, _ in variants} == {(0.0, "dynamic")}
-                          else f"{ds} (T={temp:g}, eager: {kind} cache)") + (f", B={b}" if b > 1 else "")
-                         + (f", compiled: {backend}" if len(backends) > 1 else ""))
-                runs = {d: (cells.get((d, ds, "", temp, kind, b)), cells.get((d, ds, backend, temp, "static", b)))
+            for (temp, b), backend in itertools.product(variants, backends):
+                label = ((ds if {t for t, _ in variants} == {0.0} else f"{ds} (T={temp:g})")
+                         + (f", B={b}" if b > 1 else "") + (f", compiled: {backend}" if len(backends) > 1 else ""))
+                runs = {d: (cells.get((d, ds, "", temp, b)), cells.get((d, ds, backend, temp, b)))
                         for d in ["none", *drafters]}
                 base_e, base_c = runs["none"]
                 rows.append(["none (tokens/s)", label, "", "", _differ_runs(exp_dir, base_e, base_c) if temp == 0 else "",
