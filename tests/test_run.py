@@ -173,6 +173,14 @@ def test_unknown_names_answer_with_one_line_listing_valid_names(arg):
     assert len(lines) == 1 and lines[0].startswith("error: unknown") and "valid: " in lines[0]
 
 
+@pytest.mark.parametrize("arg,name", [("decoding.ragged=true", "decoding.ragged"), ("+model.cache=dynamic", "model.cache")])
+def test_a_removed_option_answers_with_one_line_naming_its_removal(arg, name):
+    res = cli(arg)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {name} was removed (issue 77)")
+
+
 def test_missing_hub_model_is_one_clear_line(tmp_path):
     res = cli("model=llama2-7b", "dataset.limit=1", f"out.root={tmp_path}",
               env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})

@@ -41,9 +41,12 @@ def fail(e: SpecbenchError) -> None:
 
 
 def cli(hydra_entry) -> None:
-    """Check group names (one-line errors) before handing argv to a Hydra entry point."""
+    """Check group names and removed options (one-line errors) before handing argv to a Hydra entry point."""
+    from specbench.core.config import check_removed
+
     try:
         check_group_choices(sys.argv[1:])
+        check_removed(sys.argv[1:])
     except SpecbenchError as e:
         fail(e)
     hydra_entry()

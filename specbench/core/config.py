@@ -7,6 +7,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specbench.decode.types import SamplingParams
+from specbench.errors import SpecbenchError
 
 
 @dataclass
@@ -64,7 +65,7 @@ class DecodingConfig:
     top_p: float = 1.0
     top_k: int = 0
     batch_size: int = 1  # prompts decoded together (Engine.generate_batch); 1 = one at a time, as every paper measures
-    # (every B, 1 included, decodes through one path since issue 77: no `ragged` option any more)
+    # (every B, 1 included, decodes through one path since issue 77: no `ragged` option any more; REMOVED says so)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
@@ -204,6 +205,24 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     report: Any = None  # an experiment's tables and figures (conf/experiment/*.yaml `report:`, specbench/bench/report/)
+
+
+# options that are gone, each with the one line a command naming one gets (check_removed), not Hydra's report of a key
+# missing from a struct
+REMOVED = {
+    "decoding.ragged": "decoding.ragged was removed (issue 77): every batch size, 1 included, decodes through one path "
+                       "over rows of their own lengths; drop the option",
+    "model.cache": "model.cache was removed (issue 77): every eager decode runs on the preallocated cache, "
+                   "model.compile on the static one; drop the option",
+}
+
+
+def check_removed(argv: list[str]) -> None:
+    """One line for a command-line override of a removed option (`decoding.ragged=true`, `+model.cache=...`)."""
+    for arg in argv:
+        key = arg.lstrip("+~").partition("=")[0]
+        if key in REMOVED:
+            raise SpecbenchError(REMOVED[key])
 
 
 def register_schema() -> None:
