@@ -78,7 +78,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import Cache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import Region
@@ -86,7 +85,7 @@ from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.decode.drafter import KV, RowsDrafter, TrainableDrafter, chain_paths
 from specbench.errors import SpecbenchError
 from drafters.distill import per_sequence_weights, teacher_probs, top1, weighted_mean
-from drafters.layers import layers_config, target_layer
+from drafters.layers import CrossAttend, layers_config, target_layer
 from drafters.trees import Grown, GrowingTree, make_tree
 from specbench.decode.target import cache_kv, kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask
@@ -126,9 +125,15 @@ class _Projections(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, e, bias=False)
 
 
-class CrossAttention(nn.Module):
-    """The authors' CA layer: one input RMSNorm for queries and keys, projections from E, RoPE at both sides'
-    positions, residual, post-attention RMSNorm, gated MLP. Queries [B, Q, E], activations [B, K, E]."""
+class CrossAttention(CrossAttend):
+    """The authors' CA layer, Beagle's cross-attention (drafters/layers.py CrossAttend) in their names: one input
+    RMSNorm for queries and keys, projections from E without bias. Queries [B, Q, E], activations [B, K, E]."""
+
+    # CrossAttend's parts, under the authors' names (their checkpoint's)
+    q_proj, k_proj, v_proj, o_proj = (property(lambda self, n=n: getattr(self.self_attn, n))
+                                      for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    q_norm = kv_norm = property(lambda self: self.input_layernorm)
+    post_norm = property(lambda self: self.post_attention_layernorm)
 
     def __init__(self, target, cfg):
         super().__init__()
@@ -139,27 +144,6 @@ class CrossAttention(nn.Module):
         self.mlp = type(target.decoder.layers[0].mlp)(cfg)
         self.input_layernorm, self.post_attention_layernorm = norm(e, eps=cfg.rms_norm_eps), norm(e, eps=cfg.rms_norm_eps)
         self.rotary = type(target.decoder.rotary_emb)(config=cfg)
-
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary(x, pos)
-        return apply_rotary_pos_emb(x, x, cos, sin)[0]
-
-    def keys(self, states: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Activations [B, K, E] at positions pos [B, K] -> K, V [B, nkv, K, dh] (RoPE on K): cached while drafting."""
-        b, n, _ = states.shape
-        x = self.input_layernorm(states)
-        k = self.self_attn.k_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
-        v = self.self_attn.v_proj(x).view(b, n, self.nkv, self.dh).transpose(1, 2)
-        return self._rope(k, pos), v
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [B, Q, E] at pos [B, Q], kv from `keys`, allowed [B|1, 1, Q, K] bool -> [B, Q, E]."""
-        b, n, _ = x.shape
-        q = self.self_attn.q_proj(self.input_layernorm(x)).view(b, n, self.nh, self.dh).transpose(1, 2)
-        o = F.scaled_dot_product_attention(self._rope(q, pos), *kv, attn_mask=allowed, enable_gqa=self.nh != self.nkv)
-        y = x + self.self_attn.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.dh))
-        return y + self.mlp(self.post_attention_layernorm(y))
 
 
 # The widths as ratios to the target, two sets (drafter.module.widths). Query heads are always the target's (SA, CA)

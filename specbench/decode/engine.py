@@ -23,16 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from typing import Callable
+
 from specbench.decode.clock import StepClock, sync
-from specbench.decode.kvcache import StaticCache
-from specbench.decode.drafter import HIDDEN, KV, LAYERS, Drafter, check_batched, rows_protocol
-from specbench.decode.outcome import RowStep, decide
-from specbench.decode.sampling import logits_to_probs, sample
+from specbench.decode.drafter import LAYERS, Drafter, check_batched, rows_protocol
+from specbench.decode.outcome import RowStep
 from specbench.decode.rows import Row, RowCounts, Rows
-from specbench.decode.target import TargetModel, cache_kv, compact_rows
-from specbench.decode.tree import ancestor_matrices, batch_tree_mask
+from specbench.decode.target import TargetModel
 from specbench.decode.types import DraftTree, Lookahead, SamplingParams, TargetState
-from specbench.decode.verify import greedy_accept_rows, rejection_accept_rows
+from specbench.decode.verifier import LocalVerifier, layer_ids
 
 
 @dataclass
@@ -71,6 +70,10 @@ class Generation:
     # generate(capture_at=k): the logits row that chose new token k [V] (the prefill's last row, or the tree row of
     # the node below which it was accepted or drawn); None otherwise (specbench/bench/divergence.py replays with it)
     captured: torch.Tensor | None = None
+    # a split (specbench/deploy): the new tokens the client drafted alone after its link dropped (counted in
+    # new_tokens), and the run's split measurements (calls, bytes, the step's time split; deploy/client.py)
+    alone_tokens: int = 0
+    split: dict | None = None
 
     @property
     def tau(self) -> float:
@@ -122,24 +125,28 @@ class BatchGeneration:
 
 
 class Engine:
-    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False):
+    def __init__(self, target: TargetModel, drafter: Drafter, sampling: SamplingParams, trace: bool = False,
+                 verifier: "Callable[[Drafter], LocalVerifier] | None" = None):
         """trace=True keeps every step's tree, drafted tokens and accepted path (host reads of each row's tokens and
-        priorities per step: calibration and tests only)."""
+        priorities per step: calibration and tests only). verifier: the target's half of each generation, built for
+        its drafter (default: LocalVerifier, the target in this process; specbench/deploy's RemoteVerifier: across a
+        connection)."""
         self.target, self.drafter, self.sampling, self.trace = target, drafter, sampling, trace
+        self.verifier_for = verifier or (lambda d: LocalVerifier(target, sampling, d.needs, layer_ids(d)))
 
-    def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: RowCounts, cache,
+    def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: RowCounts, verifier,
                layers: torch.Tensor | None, capacity: int, lookahead: Lookahead | None) -> TargetState:
-        """What the drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]),
-        the cache's K/V, the EAGLE-3 layers."""
-        needs = self.drafter.needs
+        """What the drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]; the
+        verifier gives them only to a drafter that reads them), the target's K/V, the EAGLE-3 layers."""
         lengths = rows.prefix + 1
         gens = tuple(r.generator for r in rows.live)
+        kv, kv_static = verifier.kv()
         return TargetState(
             tokens=rows.ids[:, : lengths.max()],
-            hidden=hidden if HIDDEN in needs else None,
-            kv=cache_kv(cache, self.target.device) if KV in needs else None,
-            kv_static=cache.buffers() if KV in needs and isinstance(cache, StaticCache) else None,
-            layers=layers if LAYERS in needs else None,
+            hidden=hidden,
+            kv=kv,
+            kv_static=kv_static,
+            layers=layers if LAYERS in self.drafter.needs else None,
             sampling=self.sampling,
             generator=gens[0] if len(gens) == 1 else None,
             capacity=capacity,
@@ -185,40 +192,6 @@ class Engine:
                                   None if capture_at is None else {0: capture_at})
         return out.rows[0]
 
-    def _prefill(self, prompts: list[list[int]], cache, layers: tuple[int, ...],
-                 generators: list[torch.Generator | None]):
-        """The prompts through the target -> (the prompts [A, L] (right-padded), the forward, each row's first token [A]
-        on the device, the logits that chose them [A, V]). Ragged prompts are right-padded under the
-        causal mask (a real token never sees the padding after it), each row's first token read at its own last
-        position."""
-        target, dev = self.target, self.target.device
-        lens = [len(p) for p in prompts]
-        width = max(lens)
-        ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [A, L]
-        fwd = target.forward(ids, cache, logits_rows=slice(0, 0), layers=layers)
-        last = torch.tensor([n - 1 for n in lens], device=dev)
-        logits = target.lm_head(fwd.hidden[torch.arange(len(prompts), device=dev), last]).float()  # [A, V]
-        cache.set_row_lengths(lens)
-        if self.sampling.greedy:
-            first = logits.argmax(-1)
-        else:
-            first = torch.cat([sample(logits_to_probs(logits[r], self.sampling), g)[None]
-                               for r, g in enumerate(generators)])
-        return ids, fwd, first, logits
-
-    def _geometry(self, tree: DraftTree, rows: Rows):
-        """The step's forward inputs for every live row: ids [A, Q] (root, then the nodes), positions [A, Q], the
-        additive mask [A, 1, Q, W] (None for a lone row's chain: the model's causal mask says the same, and the cache
-        of one row is not ragged) and the ancestor matrices [A, Q, Q]."""
-        anc = ancestor_matrices(tree.parents)  # [A, Q, Q]
-        depth = anc.sum(-1)  # [A, Q] ancestors counting itself: the root 1, its children 2, ...
-        roots = rows.ids.gather(1, rows.prefix.dev[:, None])  # [A, 1] the last verified token, at index prefix
-        ids = torch.cat([roots, tree.tokens], 1)
-        q = anc.shape[-1]
-        lone_chain = len(rows) == 1 and tree.is_chain
-        mask = None if lone_chain else batch_tree_mask(anc, rows.prefix.dev, rows.prefix.max() + q, self.target.dtype)
-        return ids, rows.prefix.dev[:, None] - 1 + depth, mask, anc, depth
-
     @torch.inference_mode()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                        generators: list[torch.Generator | None] | None = None,
@@ -241,22 +214,19 @@ class Engine:
         check_batched(self.drafter, b)
         capture_at = capture_at or {}
         lens = [len(p) for p in prompts]
+        verifier = self.verifier_for(self.drafter)  # the target's half of every step (verifier.py)
         sync(devs)
         t0 = time.perf_counter()
         # the positions a generation can reach: prompt, new tokens, and one tree past them before compaction
         need = max(lens) + max(budgets) + TREE_ROOM
-        # ragged rows need buffers written in place: the preallocated cache (model.compile: the static one of a batch
-        # bucket). Bounded by the context plus room for one padded tree: every row writes
-        # the step's widest tree (padding included), so a row near the context still writes up to max tree nodes past
-        # it
-        cache = target.new_cache(min(need, context + TREE_ROOM) if context else need, batch=b, ragged=True)
-        layer_ids = tuple(self.drafter.hidden_layers) if LAYERS in self.drafter.needs else ()  # EAGLE-3's features
-        prompt_t, fwd, first, logits = self._prefill(prompts, cache, layer_ids, generators)
+        # bounded by the context plus room for one padded tree: every row writes the step's widest tree (padding
+        # included), so a row near the context still writes up to max tree nodes past it
+        pre = verifier.prefill(prompts, budgets, min(need, context + TREE_ROOM) if context else need, generators)
+        prompt_t, first, logits = pre.ids, pre.first, pre.logits
         prefix = RowCounts.copy(lens, dev)  # [B] each row's cached entries: its prompt
         # [B] the verified tokens at which each row has spent its budget (prompt + max_new_tokens)
         limits = prefix + budgets[0] if len(set(budgets)) == 1 else RowCounts.copy(
             [n + m for n, m in zip(lens, budgets)], dev)
-        eos_t = torch.tensor(sorted(eos), dtype=torch.long, device=dev)  # [E] (stopping is decided on the device)
         ids = torch.zeros(b, need + 1, dtype=torch.long, device=dev)  # every row's verified tokens
         ids[:, : prompt_t.shape[1]] = prompt_t
         ids.scatter_(1, prefix.dev[:, None], first[:, None])  # the root behind each prompt
@@ -277,14 +247,14 @@ class Engine:
                 row.gen.stopped_by = "eos"
             if first_host[r] in eos or row.budget <= 1:
                 done.add(r)  # done at the prefill: leaves before the drafter sees it
-        hid, lay, fresh = fwd.hidden, fwd.layers, prefix  # (the prompt's hidden rows)
+        hid, lay, fresh = pre.hidden, pre.layers, prefix  # (the prompt's hidden rows)
         if done:
-            step = self._leave(rows, done, cache, None)
-            hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
+            step = self._leave(rows, done, verifier, None)
+            hid, lay = _keep(hid, step), _keep(lay, step)
             fresh, limits, look = rows.prefix, limits.keep(step), None if look is None else look.keep(step)
         if len(rows):
             # a drafter's own caches: the need, unclamped (a tree past the context is drafted before it is dropped)
-            state = self._state(rows, hid, fresh, cache, lay, need, look)
+            state = self._state(rows, hid, fresh, verifier, lay, need, look)
             drafter.prefill_rows(state)
         sync(devs)
         batch = BatchGeneration(rows=gens, wall_s=0.0, prefill_s=time.perf_counter() - t0)
@@ -295,37 +265,29 @@ class Engine:
         # the phases' times, marked without a drain (the step's host read below is its one wait), read at the end
         clock = StepClock(devs, offset=batch.prefill_s)
         while len(rows):
+            if not verifier.online:  # a split whose link dropped (specbench/deploy): the drafter finishes alone
+                self._alone(rows, state, clock)
+                break
             td = clock.mark()
             tree = drafter.propose_rows(state)
             tv = clock.mark()
             tree = self._within_context(tree, rows, context)
             sizes = tree.row_sizes()
-            x_ids, pos, mask, anc, depth = self._geometry(tree, rows)
-            fwd = target.forward(x_ids, cache, position_ids=pos, attention_mask=mask, layers=layer_ids)
-            logits = fwd.logits  # [A, Q, V]
-            if self.sampling.greedy:
-                acc = greedy_accept_rows(tree.tokens, tree.parents, anc, logits.argmax(-1), tree.valid)
-            else:
-                acc = rejection_accept_rows(tree.tokens, tree.parents, anc, logits_to_probs(logits, self.sampling),
-                                            tree.draft_probs, [row.generator for row in rows.live], sizes, tree.valid)
-            a, n = tree.tokens.shape
-            # each row's emitted tokens, its stop and its counters' numbers, on the device (outcome.py)
-            out = decide(acc, tree.tokens, tree.parents, depth, tree.valid, limits.dev - rows.prefix.dev - 1, eos_t)
-            # every row's new tokens (accepted + next) written behind its root, on the device (past a row's end: stale)
-            rows.ids.scatter_(1, rows.prefix.dev[:, None] + 1 + torch.arange(n + 1, device=dev), out.new)
+            # the target's forward, acceptance and outcome; the new tokens written into rows.ids (on the device)
+            step_v = verifier.verify(tree, rows, limits)
+            acc, a, n = step_v.acc, *tree.tokens.shape
             # the drafter stages its next tree's host ints from them (lengths: prefix + root + accepted + next) ...
             look = drafter.lookahead_rows(rows.ids[:, : rows.prefix.max() + n + 2], rows.prefix.dev + acc.length + 2)
-            # ... and the step's one host transfer carries them with every row's outcome
-            read = out.read(None if look is None else look.counts)
+            # ... and the step's one host transfer carries them with every row's outcome (then the cache compaction)
+            fin = verifier.finish(step_v, rows, None if look is None else look.counts)
+            read = fin.read
             look = None if look is None else look.read(read.staged)
             if self.trace:
                 self._trace_step([row.gen for row in rows.live], tree, acc.path, read.rows)
-            accepted = RowCounts(tuple(st.accepted for st in read.rows), acc.length)  # each row's accepted nodes
-            compact_rows(cache, rows.prefix + 1, acc.path, accepted, read.contiguous)
             clock.step(td, tv, clock.mark(), [row.gen for row in rows.live])
             batch.steps += 1
             batch.active.append(a)
-            fresh = accepted + 1  # each row's root + accepted path
+            fresh = fin.accepted + 1  # each row's root + accepted path
             rows.prefix = rows.prefix + fresh
             done = set()
             for r, (row, st) in enumerate(zip(rows.live, read.rows)):
@@ -335,29 +297,38 @@ class Engine:
                     # emitted token t was chosen at the row of its parent: the root (row 0), then accepted node path[t-1]
                     t = row.capture_at - before
                     at = torch.cat([acc.path.new_zeros(1), acc.path[r] + 1])[t : t + 1]  # (on the device)
-                    gen.captured = logits[r].index_select(0, at)[0].clone()
+                    gen.captured = step_v.logits[r].index_select(0, at)[0].clone()
                 self._count_step(gen, st, sizes[r])
                 if st.stop is not None:
                     clock.finish(gen, clock.mark())
                     done.add(r)
-            # the hidden rows of every root and accepted path, [A, max A_r + 1, H]
-            keep = torch.cat([acc.path.new_zeros(a, 1), acc.path[:, : accepted.max()] + 1], 1).clamp(min=0)
-            hid = fwd.hidden.gather(1, keep[:, :, None].expand(-1, -1, fwd.hidden.shape[-1]))
-            lay = None if fwd.layers is None else fwd.layers.gather(1, keep[:, :, None].expand(-1, -1,
-                                                                                                fwd.layers.shape[-1]))
+            hid, lay = fin.hidden, fin.layers  # the rows of every root and accepted path
             if done:
                 if len(done) == a:
                     break
-                step = self._leave(rows, done, cache, drafter)
-                hid, lay = hid.index_select(0, step.index_t), None if lay is None else lay.index_select(0, step.index_t)
+                step = self._leave(rows, done, verifier, drafter)
+                hid, lay = _keep(hid, step), _keep(lay, step)
                 fresh, limits = fresh.keep(step), limits.keep(step)
                 look = None if look is None else look.keep(step)
-            state = self._state(rows, hid, fresh, cache, lay, need, look)
+            state = self._state(rows, hid, fresh, verifier, lay, need, look)
             drafter.on_verified_rows(state)
         clock.resolve()  # (its one wait for the device, where it marked with events)
         sync(devs)
         batch.wall_s = time.perf_counter() - t0
+        verifier.end(gens)  # (a split: the server's own times of this answer, read after the clock stopped)
         return batch
+
+    def _alone(self, rows: Rows, state: TargetState, clock: StepClock) -> None:
+        """The target is gone (a split's disconnection, MoA's Table 4): the lone row's remaining tokens from the
+        drafter's own greedy continuation (Drafter.continue_alone), cut after an EOS."""
+        row = rows.live[0]
+        gen, eos = row.gen, self.target.eos_token_ids
+        tokens = self.drafter.continue_alone(state, row.budget - len(gen.new_tokens))[0].tolist()
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        gen.new_tokens.extend(tokens[:cut])
+        gen.alone_tokens = cut
+        gen.stopped_by = "eos" if tokens[:cut] and tokens[cut - 1] in eos else "max_new_tokens"
+        clock.finish(gen, clock.mark())
 
     def _within_context(self, tree: DraftTree, rows: Rows, context: int | None) -> DraftTree:
         """A row whose tree would reach past the context's last position verifies no node (as the baseline decodes
@@ -377,10 +348,16 @@ class Engine:
                          is_chain=n == 0, priority=None if tree.priority is None else tree.priority[:, :n],
                          sizes=keep, valid=valid[:, :n])
 
-    def _leave(self, rows: Rows, done: set[int], cache, drafter):
-        """Finished rows leave the batch: the rows, the cache and the drafter (None: not started yet) reorder alike."""
+    def _leave(self, rows: Rows, done: set[int], verifier, drafter):
+        """Finished rows leave the batch: the rows, the target's cache and the drafter (None: not started yet) reorder
+        alike."""
         step = rows.leave(done)
-        cache.leave(step.src, step.dst, len(rows), rows.prefix)
+        verifier.leave(step, rows)
         if drafter is not None:
             drafter.keep_rows(step)
         return step
+
+
+def _keep(x: torch.Tensor | None, step) -> torch.Tensor | None:
+    """The rows of x [A, ...] a leave keeps, in their new order."""
+    return None if x is None else x.index_select(0, step.index_t)
