@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
+from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter, chain_paths
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
 from drafters.trees import Grown, grow_by_features, make_tree
@@ -61,6 +61,7 @@ from specbench.decode.draftcache import CompiledTree, DraftCache
 from specbench.decode.rows import RowCounts
 from specbench.errors import SpecbenchError
 from specbench.decode.types import DraftTree, TargetState
+from specbench.decode.verifier import Crossing
 from specbench.decode.vocab import COUNTS_FILE, PrunedLMHead, pruned_lm_head
 
 
@@ -304,6 +305,23 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
     def on_verified_rows(self, state: TargetState) -> None:
         # root + accepted path: pairs (f_T, t_{T+1}) ... (f_{T+A}, t_{T+A+1})
         self.pending = (state.hidden, state.fresh_tokens(), state.fresh)
+
+    # ---- client-server split (specbench/deploy, issue 78) ----------------------------------------------------------
+    def crossing(self) -> Crossing:
+        """Split: the target's last hidden state of each verified token crosses (Table 7's A*E), read as ever from
+        state.hidden."""
+        hidden = self.embed.weight.shape[1]
+        return Crossing((("hidden", hidden),), server=lambda st: [st.hidden[0, : st.fresh[0]]])
+
+    @torch.inference_mode()
+    def continue_alone(self, state: TargetState, max_new: int) -> torch.Tensor:
+        """The target is gone (Table 4): greedy text of its own, [A, max_new], as one chain grown by its tree
+        growth, each token fed its parent's predicted feature (EAGLE-2 feeding back its own features)."""
+        policy, self.policy = self.policy, make_tree(kind="static", paths=chain_paths(max_new))
+        try:
+            return self.propose_rows(state).tokens
+        finally:
+            self.policy = policy
 
     def keep_rows(self, leave) -> None:
         self.cache.keep(leave)

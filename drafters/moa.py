@@ -90,6 +90,7 @@ from drafters.trees import Grown, GrowingTree, make_tree
 from specbench.decode.target import cache_kv, kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask
 from specbench.decode.types import DraftTree, TargetState
+from specbench.decode.verifier import Crossing
 
 
 def _dims(cfg) -> tuple[int, int, int, int]:
@@ -270,6 +271,15 @@ class MoAModule(nn.Module):
         x = self.layer_self_attention(per_layer, attention_mask=both, position_ids=pos,
                                       position_embeddings=self.lsa_rotary(per_layer, pos))
         return self.Ekv2E(x.mean(1))
+
+    def lsa_mean(self, per_layer: torch.Tensor) -> torch.Tensor:
+        """[N, L, 2 E_kv] -> [N, 2 E_kv]: `lsa` before Ekv2E (what a split's server sends: the same ops)."""
+        n, l, _ = per_layer.shape
+        pos = torch.arange(l, device=per_layer.device)[None]
+        both = torch.zeros(1, 1, l, l, dtype=per_layer.dtype, device=per_layer.device)  # additive: all visible
+        x = self.layer_self_attention(per_layer, attention_mask=both, position_ids=pos,
+                                      position_embeddings=self.lsa_rotary(per_layer, pos))
+        return x.mean(1)
 
     def sa(self, emb: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
            cache: Cache | None = None) -> torch.Tensor:
@@ -469,7 +479,9 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
         fresh, toks = self.cache.unseen(state, behind=1)  # the target's cached entries not yet in ours (not the root)
-        if fresh.max() > 0:
+        if fresh.max() > 0 and self.crossed:  # split: the server's LSA outputs and TLI K, V (crossing)
+            self.cache.append(self._append_crossed, fresh, toks, state.hidden)
+        elif fresh.max() > 0:
             # (the target's K, V: its static buffers whole under model.compile, shapes that never change)
             self.cache.append(self._append_step, fresh, toks, region=self.append_region,
                               whole=(state.kv_static or state.kv,))
@@ -538,6 +550,59 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
 
     def on_verified_rows(self, state: TargetState) -> None:
         pass  # everything the next step needs is read from state.kv / state.tokens in propose_rows
+
+    # ---- client-server split (specbench/deploy, issue 78; docs/deploy.md) ------------------------------------------
+    # Our choice of the split point (the paper leaves it open; Table 7's 2 E_kv (TLI + 1) per token fixes it): the
+    # Layer Self-Attention runs on the server (which loads this drafter's LSA weights), over the target's per-layer
+    # K/V of each verified token, and its output crosses before Ekv2E (2 E_kv per token: halves lsa0, lsa1), with the
+    # K, V of the last TLI target layers (2 E_kv per TLI layer): 3A + 2A E_kv (TLI + 1) bytes an answer. The client
+    # applies Ekv2E and writes the CA keys, TLI entries and SA entries as `_append_step` does.
+    crossed = False  # a split's client: propose_rows reads the crossing from state.hidden, not the target's K/V
+
+    def crossing(self) -> Crossing:
+        e_kv = self.net.kv_dim // 2
+        first = self.net.layers - self.net.tli
+        tli = tuple((f"{kind}{layer}", e_kv) for layer in range(first, self.net.layers) for kind in "kv")
+        return Crossing((("lsa0", e_kv), ("lsa1", e_kv), *tli), server=self._crossing_rows, client=self._cross)
+
+    def _cross(self) -> None:
+        self.crossed = True
+
+    @torch.inference_mode()
+    def _crossing_rows(self, state: TargetState) -> list[torch.Tensor]:
+        """The server's half for row 0's fresh verified tokens: [n, E_kv] each (the LSA's output halves, then each TLI
+        layer's K and V, KV heads side by side)."""
+        n, end = state.fresh[0], state.lengths[0] - 1  # the fresh tokens' cache positions end - n .. end - 1
+        new = [(k[0, :, end - n : end], v[0, :, end - n : end]) for k, v in (state.kv_static or state.kv)]
+        per_layer = torch.stack([kv_per_token(k, v) for k, v in new], 1)  # [n, L, 2E_kv]
+        out = self.net.lsa_mean(per_layer.to(self.net.Ekv2E.weight.dtype))  # [n, 2E_kv]
+        rows = [*out.chunk(2, -1)]
+        for k, v in new[len(new) - self.net.tli :]:  # [nkv, n, dh] -> [n, E_kv]
+            rows += [k.transpose(0, 1).flatten(1), v.transpose(0, 1).flatten(1)]
+        return rows
+
+    def _append_crossed(self, prefixes: torch.Tensor, toks: torch.Tensor, rows: torch.Tensor) -> None:
+        """`_append_step` from what crossed: rows [P, q, 2E_kv (1 + TLI)] (the LSA's output, then each TLI layer's K
+        and V) for the verified tokens toks [P, q]."""
+        (p, q), wdt, kvw = toks.shape, self.net.Ekv2E.weight.dtype, self.net.kv_dim
+        pos, mask = self.cache.causal(prefixes, q, wdt)
+        acts = self.net.Ekv2E(rows[..., :kvw].to(wdt))  # [P, q, E]
+        self.cache.cache.layers[-1].write(*self.net.cross_attention.keys(acts, pos))
+        dt, dh = self.target.dtype, self.tli_layers[0].self_attn.head_dim if self.net.tli else 1
+        for i, cached in enumerate(self.cache.cache.layers[1:-1]):  # [P, q, E_kv] -> [P, nkv, q, dh]
+            k, v = rows[..., kvw * (1 + i) : kvw * (2 + i)].to(dt).chunk(2, -1)
+            cached.write(*(x.reshape(p, q, -1, dh).transpose(1, 2) for x in (k, v)))
+        self.net.sa(self.embed(toks).to(wdt), pos, mask, self.cache.cache)
+
+    @torch.inference_mode()
+    def continue_alone(self, state: TargetState, max_new: int) -> torch.Tensor:
+        """The target is gone (Table 4): greedy text of its own, [A, max_new], as one chain grown over its frozen
+        activations (CA) and caches: each token through SA and the TLI layers over its drafted ancestors."""
+        policy, self.policy = self.policy, make_tree(kind="static", paths=chain_paths(max_new))
+        try:
+            return self.propose_rows(state).tokens
+        finally:
+            self.policy = policy
 
     def keep_rows(self, leave) -> None:
         self.cache.keep(leave)

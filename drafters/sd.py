@@ -33,6 +33,7 @@ from specbench.errors import SpecbenchError
 from specbench.decode.rows import RowCounts
 from specbench.decode.sampling import logits_to_probs, sample
 from specbench.decode.types import DraftTree, TargetState
+from specbench.decode.verifier import Crossing
 
 
 def small_llama(target, init_layers: list[int]) -> PreTrainedModel:
@@ -269,3 +270,21 @@ class IndependentDrafter(RowsDrafter, TrainableDrafter):
 
     def keep_rows(self, leave) -> None:
         self.cache.keep(leave)
+
+    # ---- client-server split (specbench/deploy, issue 78) ----------------------------------------------------------
+    def crossing(self) -> Crossing:
+        """Split: an independent model reads nothing of the target; only the tokens cross (Table 7's 3A)."""
+        return Crossing()
+
+    @torch.inference_mode()
+    def continue_alone(self, state: TargetState, max_new: int) -> torch.Tensor:
+        """The target is gone (Table 4): the draft model continues as a plain LM, greedy, [A, max_new]."""
+        counts, ids = self.cache.unseen(state)  # catch up as propose_rows does
+        logits = self._append(ids, counts)  # [A, V]
+        one = RowCounts.copy([1] * state.rows, state.tokens.device)
+        out = []
+        for i in range(max_new):
+            out.append(logits.argmax(-1))
+            if i + 1 < max_new:
+                logits = self._append(out[-1][:, None], one)
+        return torch.stack(out, 1)
