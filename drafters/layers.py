@@ -1,5 +1,5 @@
 """Building blocks that several drafters use, in one place: a one-layer decoder of the target's architecture (EAGLE's
-head body, MoA's self-attention layer), the cross-attention block (Beagle's drafter, MoA's CA layer) and one frozen
+head body, MoA's self-attention layer), the cross-attention (Beagle's drafter, MoA's CA layer) and one frozen
 target decoder layer run functionally on new rows (MoA's Target Layer Inference)."""
 from __future__ import annotations
 
@@ -32,30 +32,11 @@ def one_layer_decoder(target, **overrides) -> nn.Module:
     return body
 
 
-class CrossAttentionBlock(nn.Module):
-    """Cross-attention block: queries from [.., H] inputs, keys/values from [.., kv_dim] states (default H), the
-    target's MLP (width `intermediate`, default the target's). MoA's CA layer is the same block over LSA outputs."""
-
-    def __init__(self, target, kv_dim: int | None = None, intermediate: int | None = None):
-        super().__init__()
-        cfg = target.model.config
-        if intermediate is not None:
-            cfg = cfg.__class__.from_dict({**cfg.to_dict(), "intermediate_size": intermediate})
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        kv_dim = kv_dim or h
-        nkv = getattr(cfg, "num_key_value_heads", None) or nh
-        dh = getattr(cfg, "head_dim", None) or h // nh
-        bias = bool(getattr(cfg, "attention_bias", False))
-        norm = type(target.decoder.norm)
-        self.nh, self.nkv, self.dh = nh, nkv, dh
-        self.q_norm, self.post_norm = norm(h, eps=cfg.rms_norm_eps), norm(h, eps=cfg.rms_norm_eps)
-        self.kv_norm = norm(kv_dim, eps=cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(h, nh * dh, bias=bias)
-        self.k_proj = nn.Linear(kv_dim, nkv * dh, bias=bias)
-        self.v_proj = nn.Linear(kv_dim, nkv * dh, bias=bias)
-        self.o_proj = nn.Linear(nh * dh, h, bias=bias)
-        self.mlp = type(target.decoder.layers[0].mlp)(cfg)
-        self.rotary = type(target.decoder.rotary_emb)(config=cfg)
+class CrossAttend(nn.Module):
+    """What Beagle's block and MoA's CA layer compute alike, their parameters named apart (each as its authors' name
+    them; a subclass has them as q_proj, k_proj, v_proj, o_proj, q_norm, kv_norm, post_norm, mlp, rotary, and the head
+    counts nh, nkv, dh): queries from one side's rows, keys/values from the other side's states, RoPE at each side's
+    own positions, the residual on the queries, a gated MLP after a norm."""
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         cos, sin = self.rotary(x, pos)
@@ -82,6 +63,29 @@ class CrossAttentionBlock(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.nh != self.nkv)
         y = emb + self.o_proj(o.transpose(1, 2).reshape(b, n, self.nh * self.dh))
         return y + self.mlp(self.post_norm(y))
+
+
+class CrossAttentionBlock(CrossAttend):
+    """Beagle's cross-attention block: queries from [.., H] inputs, keys/values from [.., H] states, a norm for each
+    side, the target's attention bias, head counts and MLP."""
+
+    def __init__(self, target):
+        super().__init__()
+        cfg = target.model.config
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        nkv = getattr(cfg, "num_key_value_heads", None) or nh
+        dh = getattr(cfg, "head_dim", None) or h // nh
+        bias = bool(getattr(cfg, "attention_bias", False))
+        norm = type(target.decoder.norm)
+        self.nh, self.nkv, self.dh = nh, nkv, dh
+        self.q_norm, self.post_norm = norm(h, eps=cfg.rms_norm_eps), norm(h, eps=cfg.rms_norm_eps)
+        self.kv_norm = norm(h, eps=cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(h, nh * dh, bias=bias)
+        self.k_proj = nn.Linear(h, nkv * dh, bias=bias)
+        self.v_proj = nn.Linear(h, nkv * dh, bias=bias)
+        self.o_proj = nn.Linear(nh * dh, h, bias=bias)
+        self.mlp = type(target.decoder.layers[0].mlp)(cfg)
+        self.rotary = type(target.decoder.rotary_emb)(config=cfg)
 
 
 def target_layer(layer, rotary, x: torch.Tensor, pos: torch.Tensor, past_k: torch.Tensor | None,
