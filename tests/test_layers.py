@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("decode", "core", "data", "train", "bench", "tools")  # bottom to top
+LAYERS = ("decode", "core", "data", "deploy", "train", "bench", "tools")  # bottom to top
 
 
 def imported(path: Path) -> list[tuple[int, str]]:

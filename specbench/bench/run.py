@@ -35,6 +35,8 @@ from specbench.core.models import chat_prompt_ids, load_model, pick_dtype, sdpa_
 from specbench.core.records import RunDir, atomic_write_json, exclusive
 from specbench.bench.sweep import missing_weights, record_failure, skip_reason
 from specbench.decode.target import TargetModel
+from specbench.deploy.split import DeployConfig
+from specbench.deploy.link import LinkConfig
 
 log = logging.getLogger("specbench")
 def model_identity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
@@ -209,6 +211,15 @@ class Runner:
         self.paper_tree = OmegaConf.to_container(cfg.paper_tree, resolve=True) if cfg.get("paper_tree") else None
         tree = OmegaConf.to_container(cfg.tree, resolve=True) if cfg.get("tree") is not None else None
         self.global_auto = tree if is_auto(tree) else None  # tree=auto: also tunes drafters without ${tree}
+        self.deploy: DeployConfig = to_dataclass(DeployConfig, cfg.deploy) if cfg.get("deploy") else DeployConfig()
+        self.link: LinkConfig = to_dataclass(LinkConfig, cfg.link) if cfg.get("link") else LinkConfig()
+        self.deploy.check()
+        self.link.check()
+        if self.deploy.name == "client_server":  # before anything is loaded or decoded: one line each
+            if self.decoding.batch_size != 1 or self.decoding.temperature != 0:
+                raise SpecbenchError(f"deploy=client_server decodes one answer at a time, greedy (no draft "
+                                     f"probabilities cross): decoding.batch_size={self.decoding.batch_size} and "
+                                     f"decoding.temperature={self.decoding.temperature:g} must be 1 and 0")
         self._check_prompts()
 
     def prompt_ids(self, q: Question, turn: int, answers: list[str]) -> list[int]:
@@ -244,6 +255,8 @@ class Runner:
             drafter["model_sha256"] = model_digest(drafter["model_path"])
         elif drafter.get("checkpoint"):  # the weights, not just their path, identify a run
             drafter["checkpoint_sha256"] = weights_digest(drafter["checkpoint"])
+        if self.split_run(drafter_node):  # a split run is named apart from the local one (which keeps its name)
+            drafter["deploy"] = {"name": self.deploy.name, "link": OmegaConf.to_container(self.cfg.link, resolve=True)}
         dataset = OmegaConf.to_container(self.cfg.dataset, resolve=True)
         decoding = OmegaConf.to_container(self.cfg.decoding, resolve=True)
         key = run_key(self.identity, drafter, dataset, decoding, self.bench.repeats, self.cfg.seed)
@@ -304,6 +317,10 @@ class Runner:
         if not is_baseline and self.todo(run_dir):  # built (its weights and tree checked) before the baseline runs
             torch.manual_seed(self.cfg.seed)  # untrained modules (a test's) are built from the run's seed
             drafter = self.make_drafter(self.cfg.drafter)
+            if self.split_run(self.cfg.drafter):  # a drafter that cannot run split: one line, before the baseline
+                from specbench.deploy.split import crossing_of
+
+                crossing_of(drafter, self.cfg.drafter.name)
         if not is_baseline and self.bench.baseline:
             with exclusive(baseline_dir.path):  # parallel jobs sharing the baseline compute it once
                 self.run_one(baseline_node, None)
@@ -313,6 +330,32 @@ class Runner:
         else:
             self.run_one(self.cfg.drafter, baseline_dir if baseline_dir.exists() else None, drafter)
         return run_dir
+
+    def split_run(self, node) -> bool:
+        """deploy=client_server applies to the drafter's run; the baseline beside it is the single-device one."""
+        return self.deploy.name == "client_server" and node.name != "none"
+
+    def _split(self, node, drafter: Drafter):
+        """The client of deploy=client_server: its server started (unless spawn=false) and the handshake done; a
+        drafter that cannot run split is refused here, before the server starts."""
+        from specbench.deploy.client import SplitClient, spawn_server
+        from specbench.deploy.split import crossing_of
+
+        crossing_of(drafter, node.name)
+        server, port = None, self.deploy.port
+        if self.deploy.spawn:
+            spec = {"model": OmegaConf.to_container(self.cfg.model, resolve=True),
+                    "drafter": with_paper_tree(inference_spec(node), self.paper_tree), "name": node.name,
+                    "seed": self.cfg.seed, "deploy": OmegaConf.to_container(self.cfg.deploy, resolve=True),
+                    "link": OmegaConf.to_container(self.cfg.link, resolve=True)}
+            server, port = spawn_server(spec, self.deploy)
+        try:
+            return SplitClient(self.target, drafter, node.name, self.deploy, self.link, self.cfg.seed, port, server)
+        except BaseException:
+            if server is not None:
+                server.kill()  # (its pid: the server this run started)
+                server.wait()
+            raise
 
     def todo(self, run_dir: RunDir) -> list[tuple[int, Question]]:
         """The (repeat, question) pairs a run has not recorded yet."""
@@ -358,9 +401,15 @@ class Runner:
                 **({"baseline": {k: timed[k] for k in ("run", "date", "commit")}} if timed is not None else {}),
             })
         if todo:
-            engine = Engine(self.target, drafter, self.decoding.sampling())
-            with sdpa_context(self.bench.sdpa, self.target.device):
-                self._decode(run_dir, engine, todo, baseline, node.name)
+            split = self._split(node, drafter) if self.split_run(node) else None
+            engine = Engine(self.target, drafter, self.decoding.sampling(),
+                            verifier=None if split is None else split.verifier_for)
+            try:
+                with sdpa_context(self.bench.sdpa, self.target.device):
+                    self._decode(run_dir, engine, todo, baseline, node.name)
+            finally:
+                if split is not None:  # BYE, then the spawned server is waited for or ended by its pid
+                    split.close()
         base_records = baseline.records() if baseline else None
         summary = {"run": run_dir.path.name, "drafter": node.name, "dataset": self.dataset_cfg.name,
                    "model": self.model_cfg.name, "temperature": self.decoding.temperature,
@@ -575,6 +624,7 @@ class Runner:
             "tree_sizes": g.tree_sizes, "depth_trials": g.depth_trials, "depth_accepts": g.depth_accepts,
             "recovered": g.recovered, "chain": g.chain, "draft_s": g.draft_s, "verify_s": g.verify_s,
             "stopped_by": g.stopped_by, **mem,
+            **({"split": g.split} if g.split is not None else {}),  # deploy=client_server (specbench/deploy/client.py)
             "matches_baseline": None if ref is None else ref == g.new_tokens,
             "first_divergence": None if ref is None else first_divergence(g.new_tokens, ref),
         }

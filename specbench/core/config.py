@@ -205,6 +205,8 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     report: Any = None  # an experiment's tables and figures (conf/experiment/*.yaml `report:`, specbench/bench/report/)
+    deploy: Any = None  # conf/deploy/: local | client_server (specbench/deploy/split.py DeployConfig)
+    link: Any = None  # conf/link/: the split's emulated link (specbench/deploy/link.py LinkConfig)
 
 
 # options that are gone, each with the one line a command naming one gets (check_removed), not Hydra's report of a key

@@ -158,6 +158,38 @@ def _shared_total(records: list[dict], key: str) -> float:
     return alone + sum(per_batch.values())
 
 
+def split_summary(records: list[dict]) -> dict[str, Any] | None:
+    """deploy=client_server (specbench/deploy/client.py): calls to the server per answer (verification forwards, the
+    prefill excluded), bytes up and down per step and per answer (the prompt's exchange apart), and each step's time
+    split into client drafting, server verification and the link (the round trip less the server's own time)."""
+    rows = [r for r in records if r.get("split")]
+    if not rows:
+        return None
+    s = [r["split"] for r in rows]
+    calls = sum(x["calls"] for x in s)
+    # the time split over the answers the server finished (a cut one never reports the server's times)
+    whole = [(r, x) for r, x in zip(rows, s) if x["disconnected_at"] is None]
+    steps = sum(x["calls"] for _, x in whole)
+    ms = lambda total: 1e3 * total / steps if steps else None  # noqa: E731
+    return {
+        "answers": len(s),
+        "calls_per_answer": mean_std([x["calls"] for x in s]),
+        "bytes_up_per_step": sum(x["bytes_up"] for x in s) / calls if calls else None,
+        "bytes_down_per_step": sum(x["bytes_down"] for x in s) / calls if calls else None,
+        "bytes_up_per_answer": mean_std([x["bytes_up"] for x in s]),
+        "bytes_down_per_answer": mean_std([x["bytes_down"] for x in s]),
+        "prompt_bytes_up_per_answer": mean_std([x["prompt_bytes_up"] for x in s]),
+        "prefill_bytes_down_per_answer": mean_std([x["prefill_bytes_down"] for x in s]),
+        # a step's time: the client's drafting, the server's verification, the link (round trip - server)
+        "draft_ms_per_step": ms(sum(r["draft_s"] for r, _ in whole)),
+        "server_ms_per_step": ms(sum(x["server_s"] for _, x in whole)),
+        "link_ms_per_step": ms(sum(x["link_s"] for _, x in whole)),
+        "round_trip_ms_per_step": ms(sum(x["round_trip_s"] for _, x in whole)),
+        "disconnected": sum(x["disconnected_at"] is not None for x in s),
+        "alone_tokens": sum(x["alone_tokens"] for x in s),
+    }
+
+
 def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any]:
     """Per-dataset means and std over repeats, and the SD metrics (see the module docstring)."""
     speed = per_repeat_speed(records)
@@ -196,6 +228,9 @@ def summarize(records: list[dict], baseline: list[dict] | None) -> dict[str, Any
     cut = sum(r.get("stopped_by") == "context" for r in records)
     if cut:  # turns whose budget the target's context cut short (absent when none: older summaries stay as they are)
         out["stopped_by_context"] = cut
+    split = split_summary(records)
+    if split:  # deploy=client_server (absent otherwise: local summaries stay as they are)
+        out["split"] = split
     compared = [r for r in records if r.get("matches_baseline") is not None]
     out["lossless"] = {
         "compared": len(compared),

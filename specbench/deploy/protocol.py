@@ -6,12 +6,14 @@ payload length (u32, at most MAX_PAYLOAD), then the payload. Integers are big-en
 
   HELLO   client -> server  the client's identity: drafter, target name and hash, the activations it needs
   WELCOME server -> client  the server's identity, same layout (both sides check with `check_peer`)
-  PROMPT  client -> server  the prompt's token ids, 3 bytes each
+  PROMPT  client -> server  the answer's budget (u32 new tokens) and the prompt's token ids, 3 bytes each
   PREFILL server -> client  the first new token and the prompt's activations: an answer, gzip-compressed
   TREE    client -> server  one step's draft tree, 4 bytes per node
   ANSWER  server -> client  the accepted tokens then the next token (3 bytes each) and their activations
   ERROR   either way        one line of UTF-8 text (a refusal, or the server's failure), then the connection closes
   BYE     either way        empty: the end of the session
+  TIMES   server -> client  after an answer's last ANSWER: the server's seconds per step (u32 microseconds each),
+                            so that the client splits each step's time into drafting, verification and the link
 
 Declared choices (the paper leaves them open):
 - Token ids are 3-byte unsigned integers (Table 7's 3 bytes: vocabularies below 2^24 = 16.7M ids).
@@ -68,6 +70,7 @@ class MsgType(IntEnum):
     ANSWER = 6
     ERROR = 7
     BYE = 8
+    TIMES = 9
 
 
 # ------------------------------------------------------------------------------------------------------------ frames
@@ -329,6 +332,36 @@ def decode_answer(payload: bytes, needs: Sequence[ActivationSpec], compressed: b
         acts.append(QuantRows(q=q, scale=scale))
     rd.end()
     return AnswerMsg(tokens=tokens, activations=tuple(acts))
+
+
+_BUDGET = struct.Struct("!I")
+
+
+def encode_prompt(budget: int, tokens: torch.Tensor | Sequence[int]) -> bytes:
+    """PROMPT: the answer's budget (new tokens, u32; the server stops where the client does), then the ids."""
+    if not 0 < budget < 1 << 32:
+        raise ProtocolError(f"a budget of {budget} new tokens")
+    return _BUDGET.pack(budget) + encode_tokens(tokens)
+
+
+def decode_prompt(payload: bytes) -> tuple[int, torch.Tensor]:
+    rd = _Reader(payload, "PROMPT")
+    (budget,) = rd.unpack(_BUDGET)
+    tokens = decode_tokens(rd.take(len(payload) - _BUDGET.size))
+    if not len(tokens):
+        raise ProtocolError("malformed PROMPT: no tokens")
+    return budget, tokens
+
+
+def encode_times(seconds: Sequence[float]) -> bytes:
+    """TIMES: the server's verification seconds of each step of one answer, u32 microseconds each."""
+    return np.asarray([min(round(s * 1e6), (1 << 32) - 1) for s in seconds], dtype=">u4").tobytes()
+
+
+def decode_times(payload: bytes) -> list[float]:
+    if len(payload) % 4:
+        raise ProtocolError(f"malformed TIMES: {len(payload)} bytes is not 4 per step")
+    return (np.frombuffer(payload, dtype=">u4").astype(np.float64) / 1e6).tolist()
 
 
 def encode_error(text: str) -> bytes:
