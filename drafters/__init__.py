@@ -10,7 +10,7 @@ Adding a drafter, in three steps:
    `on_verified`) decodes at batch 1. Its constructor takes `target` (a `specbench.decode.target.TargetModel`, for
    the vocabulary, device and frozen weights) plus its options. It never calls the target or touches the target's
    cache; its own keys and values live in a `specbench.decode.draftcache.DraftCache`, which keeps each row's length,
-   drops drafted entries and follows a leaving row. `pld.py` is the worked example (no weights, deterministic);
+   drops drafted entries and follows a leaving row (`CachedRows` in place of `RowsDrafter` gives that keep_rows). `pld.py` is the worked example (no weights, deterministic);
    `sd.py` keeps a draft model and its own KV cache.
 2. Write `conf/drafter/<name>.yaml` opening with the command that uses it, with `_target_: drafters.<name>.<Class>`,
    `name: <name>` and the constructor options. The engine has no per-method branches: that file is the registration.

@@ -46,12 +46,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter
+from specbench.decode.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import CrossAttentionBlock, layers_config
 from drafters.trees import Grown, GrowingTree, Level, make_tree
 from specbench.decode.compiled import Region
-from specbench.decode.draftcache import CompiledTree, DraftCache
+from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.kvcache import PreallocatedLayer
 from specbench.decode.rows import RowCounts
 from specbench.decode.tree import in_block, up_to_start, visible
@@ -101,7 +101,7 @@ class BeagleOptions:
     vloss_scaled: bool = False  # true: vloss also takes the CE's k / beta* (this project's weighting before 2026-11-24)
 
 
-class BeagleDrafter(RowsDrafter, TrainableDrafter):
+class BeagleDrafter(CachedRows, TrainableDrafter):
     name = "beagle"
     needs = frozenset({HIDDEN})
     Options = BeagleOptions
@@ -264,6 +264,3 @@ class BeagleDrafter(RowsDrafter, TrainableDrafter):
 
     def on_verified_rows(self, state: TargetState) -> None:
         self.pending = (state.hidden, state.fresh)  # true states of the root and the accepted path
-
-    def keep_rows(self, leave) -> None:
-        self.cache.keep(leave)

@@ -51,13 +51,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specbench.decode.drafter import HIDDEN, RowsDrafter, TrainableDrafter, chain_paths
+from specbench.decode.drafter import HIDDEN, TrainableDrafter, chain_paths
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
 from drafters.trees import Grown, grow_by_features, make_tree
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import decode
-from specbench.decode.draftcache import CompiledTree, DraftCache
+from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.rows import RowCounts
 from specbench.errors import SpecbenchError
 from specbench.decode.types import DraftTree, TargetState
@@ -179,7 +179,7 @@ class EagleOptions:
         trained_positions(torch.zeros(1, 3), torch.zeros(1, 3), self.loss_mask)  # an unknown form fails early
 
 
-class EagleDrafter(RowsDrafter, TrainableDrafter):
+class EagleDrafter(CachedRows, TrainableDrafter):
     name = "eagle"
     needs = frozenset({HIDDEN})
     Options = EagleOptions
@@ -322,6 +322,3 @@ class EagleDrafter(RowsDrafter, TrainableDrafter):
             return self.propose_rows(state).tokens
         finally:
             self.policy = policy
-
-    def keep_rows(self, leave) -> None:
-        self.cache.keep(leave)

@@ -60,8 +60,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from drafters.trees import Grown, grow_by_features, make_tree
 from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import Region
-from specbench.decode.draftcache import CompiledTree, DraftCache
-from specbench.decode.drafter import LAYERS, RowsDrafter, TrainableDrafter
+from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
+from specbench.decode.drafter import LAYERS, TrainableDrafter
 from specbench.errors import SpecbenchError
 from specbench.decode.types import DraftTree, TargetState
 from specbench.decode.vocab import covering_size, frequent_ids
@@ -382,7 +382,7 @@ def save_for_serving(head: Eagle3Head, target, out: Path, fmt: str, verifier: st
     return out
 
 
-class Eagle3Drafter(RowsDrafter, TrainableDrafter):
+class Eagle3Drafter(CachedRows, TrainableDrafter):
     name = "eagle3"
     needs = frozenset({LAYERS})
     Options = Eagle3Options
@@ -534,6 +534,3 @@ class Eagle3Drafter(RowsDrafter, TrainableDrafter):
     def on_verified_rows(self, state: TargetState) -> None:
         # root + accepted path: pairs (features_T, t_{T+1}) ... (features_{T+A}, ...)
         self.pending = (state.layers, state.fresh_tokens(), state.fresh)
-
-    def keep_rows(self, leave) -> None:
-        self.cache.keep(leave)

@@ -81,8 +81,8 @@ from transformers import Cache
 
 from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
 from specbench.decode.compiled import Region
-from specbench.decode.draftcache import CompiledTree, DraftCache
-from specbench.decode.drafter import KV, RowsDrafter, TrainableDrafter, chain_paths
+from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
+from specbench.decode.drafter import KV, TrainableDrafter, chain_paths
 from specbench.errors import SpecbenchError
 from drafters.distill import per_sequence_weights, teacher_probs, top1, weighted_mean
 from drafters.layers import CrossAttend, layers_config, target_layer
@@ -306,7 +306,7 @@ def staircase_rows(batch_size: int, progress: float, until: float, device, stair
     return ~(torch.rand(batch_size, device=device) < p)
 
 
-class MoADrafter(RowsDrafter, TrainableDrafter):
+class MoADrafter(CachedRows, TrainableDrafter):
     name = "moa"
     needs = frozenset({KV})
     Options = MoAOptions
@@ -603,9 +603,6 @@ class MoADrafter(RowsDrafter, TrainableDrafter):
             return self.propose_rows(state).tokens
         finally:
             self.policy = policy
-
-    def keep_rows(self, leave) -> None:
-        self.cache.keep(leave)
 
 
 # ---- the authors' published layout -----------------------------------------------------------------------------------

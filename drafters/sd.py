@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from specbench.decode.drafter import OwnTree, RowsDrafter, TrainableDrafter, chain_paths
+from specbench.decode.drafter import OwnTree, TrainableDrafter, chain_paths
 from drafters.distill import kl, teacher_probs, top1
 from drafters.trees import GrowingTree, Grown, Level, make_tree
 from specbench.decode.checkpoints import resolve
 from specbench.decode.compiled import decode
-from specbench.decode.draftcache import CompiledTree, DraftCache
+from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.errors import SpecbenchError
 from specbench.decode.rows import RowCounts
 from specbench.decode.sampling import logits_to_probs, sample
@@ -122,7 +122,7 @@ class SDOptions:
     init_layers: list[int] = field(default_factory=lambda: [0, -1])  # target layers copied before distillation
 
 
-class IndependentDrafter(RowsDrafter, TrainableDrafter):
+class IndependentDrafter(CachedRows, TrainableDrafter):
     name = "sd"
     Options = SDOptions
 
@@ -267,9 +267,6 @@ class IndependentDrafter(RowsDrafter, TrainableDrafter):
         # row b's cache = its verified tokens before this step + drafts x_1..x_{gamma-1}; keep the accepted ones
         fresh = state.fresh  # accepted + 1 (a row still decoding emitted them all)
         self.cache.set_verified(state.lengths - fresh + (fresh - 1).clamp(max=self.gamma - 1))
-
-    def keep_rows(self, leave) -> None:
-        self.cache.keep(leave)
 
     # ---- client-server split (specbench/deploy, issue 78) ----------------------------------------------------------
     def crossing(self) -> Crossing:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from specbench.decode.compiled import STATIC_BLOCK, Region, compile_region, pad_rows, step_rows
+from specbench.decode.drafter import RowsDrafter
 from specbench.decode.kvcache import PreallocatedCache, StaticCache
 from specbench.decode.rows import RowCounts
 from specbench.decode.tree import batch_tree_mask
@@ -171,6 +172,16 @@ class DraftCache:
         """Finished rows left the batch: the rows kept, in their new order (specbench/decode/rows.py)."""
         self.verified = self.verified.keep(leave)
         self.cache.leave(leave.src, leave.dst, len(leave.index), self.verified)
+
+
+class CachedRows(RowsDrafter):
+    """The rows protocol (specbench/decode/drafter.py RowsDrafter) of a drafter whose own keys and values are a
+    DraftCache, `cache` (made by its prefill_rows): a row leaving the batch leaves the cache, its one holder of rows."""
+
+    cache: DraftCache | None = None
+
+    def keep_rows(self, leave: "Leave") -> None:
+        self.cache.keep(leave)
 
 
 class CompiledTree:
