@@ -164,7 +164,21 @@ def list_order(given: list[list[int]], paths: list[list[int]]) -> list[float]:
     return [-float(order[tuple(p)]) for p in paths]
 
 
-class StaticTree:
+class TreePolicy:
+    """A tree policy: `max_nodes` (the most a tree drafts), `expanded(vocab)`, `prepare(device)` and `grow_rows`;
+    `grow` is the one-tree form of grow_rows."""
+
+    max_nodes: int
+
+    def prepare(self, device: torch.device) -> None:
+        """Tensors made ahead of a compiled region (StaticTree's indices); none by default."""
+
+    def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
+        """One tree: root_logits [V], expand on [n] levels (grow_rows at one row)."""
+        return self.grow_rows(root_logits[None], one_row(expand)).row(0)
+
+
+class StaticTree(TreePolicy):
     def __init__(self, paths: list[list[int]], **_):
         self.paths, self.parents = sorted_paths(paths)
         self.priority = list_order(paths, self.paths)  # the list's own order is its preference
@@ -202,10 +216,6 @@ class StaticTree:
                                    torch.tensor(self.priority, device=device))
         return self._index[device]
 
-    def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
-        """One tree: root_logits [V], expand on [n] levels (grow_rows at one row)."""
-        return self.grow_rows(root_logits[None], one_row(expand)).row(0)
-
     def grow_rows(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
         """root_logits [A, V]; every row the same paths, each with its own tokens."""
         parents, first, first_rank, levels, priority = self._indices(root_logits.device)
@@ -218,7 +228,7 @@ class StaticTree:
         return Grown(tokens, parents.expand(a, -1), self.is_chain, priority.expand(a, -1))
 
 
-class DynamicTree:
+class DynamicTree(TreePolicy):
     """EAGLE-2's dynamic tree. `depth` counts drafted levels, the root's top-k children being level 1 (the root, the
     last verified token, is not counted): depth D drafts `topk` + (D-1) `topk`^2 nodes in D-1 `expand` calls and keeps
     the best `total_tokens - 1` of them (with the root, `total_tokens` verified). The authors' code counts depth one
@@ -245,16 +255,9 @@ class DynamicTree:
                                  "(at least one drafted node)")
         self.max_nodes = topk + (depth - 1) * topk * topk
 
-    def prepare(self, device: torch.device) -> None:
-        """Nothing to make ahead (StaticTree's indices)."""
-
     def expanded(self, vocab: int) -> int:
         """Nodes fed to `expand` while one tree grows: the frontier, min(topk, vocab) at each of depth - 1 levels."""
         return min(self.topk, vocab) * (self.depth - 1)
-
-    def grow(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
-        """One tree: root_logits [V], expand on [n] levels (grow_rows at one row)."""
-        return self.grow_rows(root_logits[None], one_row(expand)).row(0)
 
     def grow_rows(self, root_logits: torch.Tensor, expand: Expand) -> Grown:
         """root_logits [A, V]: one tree per row, every row k + (depth-1) k^2 drafted and `total` kept."""
