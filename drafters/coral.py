@@ -105,14 +105,6 @@ class CoralDrafter(HassDrafter):
         if graph:
             yield total, logged
 
-    @classmethod
-    def training_loss(cls, module, batch, target, opts: CoralOptions):
-        """The summed step losses as one number (for tests and tools; training backpropagates step by step)."""
-        loss, parts = 0.0, {}
-        for piece, part in cls.training_steps(module, batch, target, opts, epoch=0):
-            loss, parts = loss + piece, {**parts, **part}
-        return loss, parts
-
 
 ROUTINGS = ("grouped", "masked")
 

@@ -212,8 +212,9 @@ class HassDrafter(EagleDrafter):
 
     @classmethod
     def training_loss(cls, module, batch, target, opts: HassOptions):
-        """The summed step losses as one number (for tests and tools; training backpropagates step by step)."""
+        """The summed step losses at the schedule's end (its Top-K stage on) as one number, for tests and tools
+        (training backpropagates step by step); CORAL's too."""
         loss, parts = 0.0, {}
-        for piece, part in cls.training_steps(module, batch, target, opts, epoch=0, progress=1.0 - opts.topk_stage):
+        for piece, part in cls.training_steps(module, batch, target, opts, epoch=0, progress=1.0):
             loss, parts = loss + piece, {**parts, **part}
         return loss, parts
