@@ -55,7 +55,7 @@ from specbench.decode.drafter import HIDDEN, TrainableDrafter, chain_paths
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
 from drafters.trees import Grown, grow_by_features, make_tree
-from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
+from specbench.decode.checkpoints import authors_config, check_authors_config, copy_state, read_state, resolve
 from specbench.decode.compiled import decode
 from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.rows import RowCounts
@@ -96,11 +96,8 @@ AUTHORS_DIMS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "in
 
 def is_authors_layout(path: Path) -> bool:
     """An authors' EAGLE checkpoint: a Llama config (not the project's `drafter` metadata) beside their weight file."""
-    cfg = path / "config.json"
-    if not cfg.is_file() or weight_file(path) is None:
-        return False
-    meta = json.loads(cfg.read_text())
-    return "drafter" not in meta and "hidden_size" in meta
+    meta = authors_config(path)
+    return meta is not None and "hidden_size" in meta
 
 
 def load_authors_head(path: Path, target) -> "EagleHead":

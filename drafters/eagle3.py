@@ -58,7 +58,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.trees import Grown, grow_by_features, make_tree
-from specbench.decode.checkpoints import copy_state, read_state, resolve, weight_file
+from specbench.decode.checkpoints import authors_config, copy_state, read_state, resolve, rope_theta
 from specbench.decode.compiled import Region
 from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.drafter import LAYERS, TrainableDrafter
@@ -82,7 +82,7 @@ class Eagle3Layer(nn.Module):
         h, nh, nkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         self.nh, self.nkv, self.dh = nh, nkv, h // nh
         self.rms_norm_eps = cfg.rms_norm_eps
-        self.rope_theta = float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+        self.rope_theta = rope_theta(cfg)
         norm = type(target.decoder.norm)
         self.hidden_norm = norm(h, eps=cfg.rms_norm_eps)
         self.input_layernorm = norm(h, eps=cfg.rms_norm_eps)
@@ -239,12 +239,6 @@ def head_config(target, hidden: int, heads: int, kv_heads: int, intermediate: in
     return base.__class__.from_dict({**base.to_dict(), **over})
 
 
-def target_rope_theta(target) -> float:
-    base = target.model.config
-    return float((getattr(base, "rope_parameters", None) or {}).get("rope_theta")
-                 or getattr(base, "rope_theta", None) or 10000.0)
-
-
 # ---- the authors' layout (SafeAILab/EAGLE's EAGLE-3 heads, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B; SGLang's) ----
 AUTHORS_KEYS = ("fc.weight", "norm.weight", "lm_head.weight")
 
@@ -252,11 +246,8 @@ AUTHORS_KEYS = ("fc.weight", "norm.weight", "lm_head.weight")
 def is_authors_layout(path: Path) -> bool:
     """An EAGLE-3 head in its authors' (or SGLang's) layout: a Llama config of one layer beside their weight file,
     with a draft vocabulary or `midlayer` tensors (EAGLE-1's heads have `layers.0`)."""
-    cfg = path / "config.json"
-    if not cfg.is_file() or weight_file(path) is None:
-        return False
-    meta = json.loads(cfg.read_text())
-    return "drafter" not in meta and "hidden_size" in meta and (
+    meta = authors_config(path)
+    return meta is not None and "hidden_size" in meta and (
         "draft_vocab_size" in meta or any("Eagle3" in a for a in meta.get("architectures") or []))
 
 
@@ -419,7 +410,7 @@ class Eagle3Drafter(CachedRows, TrainableDrafter):
         heads = base.num_attention_heads
         cfg = head_config(target, base.hidden_size, heads, getattr(base, "num_key_value_heads", None) or heads,
                           opts.intermediate_size or base.intermediate_size, opts.rms_norm_eps or base.rms_norm_eps,
-                          opts.rope_theta or target_rope_theta(target))
+                          opts.rope_theta or rope_theta(target.model.config))
         layers = tuple(opts.layers) if opts.layers else default_layers(base.num_hidden_layers)
         if any(not 0 <= i < base.num_hidden_layers for i in layers):
             raise SpecbenchError(f"eagle3 layers {list(layers)}: hidden_states indices must be in 0 .. "

@@ -79,7 +79,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Cache
 
-from specbench.decode.checkpoints import check_authors_config, copy_state, read_state, resolve, weight_file
+from specbench.decode.checkpoints import (authors_config, check_authors_config, copy_state, read_state, resolve,
+                                          rope_theta)
 from specbench.decode.compiled import Region
 from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.drafter import KV, TrainableDrafter, chain_paths
@@ -107,8 +108,7 @@ def _sub_config(target, plain_rope: bool, **overrides):
     base = target.model.config
     d = base.to_dict()
     if plain_rope:
-        theta = ((d.get("rope_parameters") or {}).get("rope_theta") or d.get("rope_theta") or 10000.0)
-        d["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta(base)}
         d["rope_scaling"] = None
     cfg = base.__class__.from_dict({**d, **overrides})
     cfg._attn_implementation = "sdpa"
@@ -622,8 +622,7 @@ CONVERTED_WIDTHS = {"self_attention_num_key_value_heads": "sa_kv_heads", "self_a
 
 def is_authors_layout(path: Path) -> bool:
     """A config.json without the project's `drafter` metadata beside a weight file."""
-    cfg = path / "config.json"
-    return cfg.is_file() and weight_file(path) is not None and "drafter" not in json.loads(cfg.read_text())
+    return authors_config(path) is not None
 
 
 def load_authors_moa(path: Path, target, tli: int) -> MoAModule:

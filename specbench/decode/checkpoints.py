@@ -81,6 +81,22 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads(cfg.read_text())
 
 
+def authors_config(path: Path) -> dict[str, Any] | None:
+    """A checkpoint directory's config.json when it is not the project's (no `drafter` metadata) and sits beside a
+    weight file: a layout of a drafter's authors (which drafter's, its reader tells from the fields); None otherwise."""
+    cfg = path / "config.json"
+    if not cfg.is_file() or weight_file(path) is None:
+        return None
+    meta = json.loads(cfg.read_text())
+    return None if "drafter" in meta else meta
+
+
+def rope_theta(config) -> float:
+    """A model config's RoPE base: transformers' rope_parameters or the older rope_theta, else Llama's 10000."""
+    return float((getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+                 or getattr(config, "rope_theta", None) or 10000.0)
+
+
 def check_authors_config(path: Path, cfg: dict[str, Any], target, fields: tuple[str, ...], what: str) -> None:
     """A drafter published in its authors' layout against the target, one line per misfit: each of `fields` of its
     config.json (num_key_value_heads, absent in older configs, as many as the heads) and RoPE's base (EAGLE-1's
@@ -94,8 +110,7 @@ def check_authors_config(path: Path, cfg: dict[str, Any], target, fields: tuple[
         if theirs != ours:
             raise SpecbenchError(f"checkpoint {path} is {what} for {key}={theirs}; the target {target.name!r} has {ours}")
     theirs = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
-    ours = float((getattr(base, "rope_parameters", None) or {}).get("rope_theta")
-                 or getattr(base, "rope_theta", None) or 10000.0)
+    ours = rope_theta(base)
     if theirs != ours:
         raise SpecbenchError(f"checkpoint {path} is {what} for rope_theta={theirs:g}; the target {target.name!r} "
                              f"has {ours:g}")
