@@ -263,17 +263,12 @@ class MoAModule(nn.Module):
                     m.weight.normal_(0.0, std)
 
     def lsa(self, per_layer: torch.Tensor) -> torch.Tensor:
-        """[N, L, 2 E_kv] per-token stacks of per-layer K/V -> [N, E]: the LSA layer over the layers (RoPE at the
-        layer index, every layer sees every other), their mean, Ekv2E."""
-        n, l, _ = per_layer.shape
-        pos = torch.arange(l, device=per_layer.device)[None]
-        both = torch.zeros(1, 1, l, l, dtype=per_layer.dtype, device=per_layer.device)  # additive: all visible
-        x = self.layer_self_attention(per_layer, attention_mask=both, position_ids=pos,
-                                      position_embeddings=self.lsa_rotary(per_layer, pos))
-        return self.Ekv2E(x.mean(1))
+        """[N, L, 2 E_kv] per-token stacks of per-layer K/V -> [N, E]: `lsa_mean`, then Ekv2E."""
+        return self.Ekv2E(self.lsa_mean(per_layer))
 
     def lsa_mean(self, per_layer: torch.Tensor) -> torch.Tensor:
-        """[N, L, 2 E_kv] -> [N, 2 E_kv]: `lsa` before Ekv2E (what a split's server sends: the same ops)."""
+        """[N, L, 2 E_kv] -> [N, 2 E_kv]: the LSA layer over the layers (RoPE at the layer index, every layer sees
+        every other), their mean (what a split's server sends; `lsa` applies Ekv2E)."""
         n, l, _ = per_layer.shape
         pos = torch.arange(l, device=per_layer.device)[None]
         both = torch.zeros(1, 1, l, l, dtype=per_layer.dtype, device=per_layer.device)  # additive: all visible
