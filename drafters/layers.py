@@ -21,6 +21,13 @@ def layers_config(target, layers: int = 1, **overrides):
     return cfg
 
 
+def dims(cfg) -> tuple[int, int, int, int]:
+    """(width, query heads, KV heads, head size) of a config."""
+    nh = cfg.num_attention_heads
+    nkv = getattr(cfg, "num_key_value_heads", None) or nh
+    return cfg.hidden_size, nh, nkv, getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
+
+
 def one_layer_decoder(target, **overrides) -> nn.Module:
     """A one-layer decoder of the target's architecture (its attention, positions, MLP; config `overrides`), fed
     with inputs_embeds: no token table, no final norm (outputs feed the target's LM head or another layer)."""
@@ -72,9 +79,7 @@ class CrossAttentionBlock(CrossAttend):
     def __init__(self, target):
         super().__init__()
         cfg = target.model.config
-        h, nh = cfg.hidden_size, cfg.num_attention_heads
-        nkv = getattr(cfg, "num_key_value_heads", None) or nh
-        dh = getattr(cfg, "head_dim", None) or h // nh
+        h, nh, nkv, dh = dims(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
         norm = type(target.decoder.norm)
         self.nh, self.nkv, self.dh = nh, nkv, dh

@@ -86,19 +86,12 @@ from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.drafter import KV, TrainableDrafter, chain_paths
 from specbench.errors import SpecbenchError
 from drafters.distill import per_sequence_weights, teacher_probs, top1, weighted_mean
-from drafters.layers import CrossAttend, layers_config, target_layer
+from drafters.layers import CrossAttend, dims, layers_config, target_layer
 from drafters.trees import Grown, GrowingTree, make_tree
 from specbench.decode.target import cache_kv, kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask
 from specbench.decode.types import DraftTree, TargetState
 from specbench.decode.verifier import Crossing
-
-
-def _dims(cfg) -> tuple[int, int, int, int]:
-    """(E, query heads, KV heads, head size) of a target config."""
-    nh = cfg.num_attention_heads
-    nkv = getattr(cfg, "num_key_value_heads", None) or nh
-    return cfg.hidden_size, nh, nkv, getattr(cfg, "head_dim", None) or cfg.hidden_size // nh
 
 
 def _sub_config(target, plain_rope: bool, **overrides):
@@ -138,7 +131,7 @@ class CrossAttention(CrossAttend):
 
     def __init__(self, target, cfg):
         super().__init__()
-        e, nh, nkv, dh = _dims(cfg)
+        e, nh, nkv, dh = dims(cfg)
         self.nh, self.nkv, self.dh = nh, nkv, dh
         norm = type(target.decoder.norm)
         self.self_attn = _Projections(e, nh, nkv, dh)
@@ -228,7 +221,7 @@ class MoAModule(nn.Module):
     def __init__(self, target, opts: MoAOptions):
         super().__init__()
         cfg = target.model.config
-        e, nh, nkv, dh = _dims(cfg)
+        e, nh, nkv, dh = dims(cfg)
         self.tli, self.layers, self.kv_dim = opts.tli, cfg.num_hidden_layers, 2 * nkv * dh
         head_dim = opts.lsa_head_dim or self.kv_dim // nh
         heads = max(1, self.kv_dim // head_dim)  # (one head of the whole width where it is narrower than a head)
@@ -633,7 +626,7 @@ def load_authors_moa(path: Path, target, tli: int) -> MoAModule:
     state = read_state(path)
     if "Ekv2E.weight" not in state:
         raise SpecbenchError(f"checkpoint {path} is not a MoA drafter in its authors' layout (no Ekv2E.weight)")
-    e, nh, nkv, dh = _dims(base)
+    e, nh, nkv, dh = dims(base)
     if tuple(state["Ekv2E.weight"].shape) != (e, 2 * nkv * dh):
         raise SpecbenchError(f"checkpoint {path}: Ekv2E.weight is {tuple(state['Ekv2E.weight'].shape)}, the target "
                              f"{target.name!r} needs {(e, 2 * nkv * dh)} (E, 2 E_kv)")
