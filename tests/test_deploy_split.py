@@ -21,6 +21,7 @@ from tests.helpers import hf_greedy
 from tests.test_conformance import PROMPTS, make_drafter, target_for
 
 SPLIT = ["sd", "eagle2", "moa", "moa_tli1"]
+INHERITED = ["eagle", "hass", "coral", "coral_router"]  # EAGLE's crossing and continue_alone, inherited
 
 
 def drafter(name, target):
@@ -31,21 +32,22 @@ def drafter(name, target):
 class Split:
     """A server thread on a free loopback port and a client connected to it; `close` ends both."""
 
-    def __init__(self, name: str, target, link: LinkConfig | None = None, server_drafter=None):
+    def __init__(self, name: str, target, link: LinkConfig | None = None, server_drafter=None,
+                 server_link: LinkConfig | None = None):
         self.listener = listen("127.0.0.1", 0)
         port = self.listener.getsockname()[1]
         server = SplitServer(target, server_drafter or drafter(name, target), name)
         self.errors: list[BaseException] = []
-        self.thread = threading.Thread(target=self._serve, args=(server,), daemon=True)
+        self.thread = threading.Thread(target=self._serve, args=(server, server_link or LinkConfig()), daemon=True)
         self.thread.start()
         self.client_drafter = drafter(name, target)
         self.client = SplitClient(target, self.client_drafter, name, DeployConfig(name="client_server"),
                                   link or LinkConfig(), seed=0, port=port)
         self.engine = Engine(target, self.client_drafter, SamplingParams(), verifier=self.client.verifier_for)
 
-    def _serve(self, server):
+    def _serve(self, server, link):
         try:
-            serve(self.listener, server, LinkConfig(), seed=0, accept_timeout_s=20, timeout_s=20)
+            serve(self.listener, server, link, seed=0, accept_timeout_s=20, timeout_s=20)
         except BaseException as e:  # noqa: BLE001 - the test reads what the thread raised
             self.errors.append(e)
 
@@ -69,7 +71,7 @@ def split_of(one_thread):
         s.close()
 
 
-@pytest.mark.parametrize("name", SPLIT)
+@pytest.mark.parametrize("name", SPLIT + INHERITED)
 def test_split_decoding_equals_single_device(name, split_of):
     target = target_for()
     local = Engine(target, drafter(name, target), SamplingParams())
@@ -116,8 +118,22 @@ def test_a_disconnection_at_b_finishes_alone(name, split_of):
     online = s["disconnected_at"]
     assert g.new_tokens[:online] == ref[:online]  # what the server verified is the target's
     assert g.alone_tokens == 30 - online and s["calls"] == g.steps
+    if name == "sd":  # alone, the independent model is a plain greedy LM
+        assert g.new_tokens[online:] == hf_greedy(split.client_drafter.model, PROMPTS[1] + g.new_tokens[:online],
+                                                  30 - online)
     # the next answer reconnects
     again = split.engine.generate(PROMPTS[0], 12)
     assert again.split["disconnected_at"] >= b and len(again.new_tokens) == 12
     assert again.new_tokens[: again.split["disconnected_at"]] == hf_greedy(target.model, PROMPTS[0], 12)[
         : again.split["disconnected_at"]]
+
+
+def test_a_delayed_link_shows_in_the_link_share(split_of):
+    """5 ms each way on both sides' send paths: every step's round trip less the server's time holds 10 ms."""
+    target = target_for()
+    delayed = LinkConfig(name="custom", base_delay_ms=5.0)
+    split = split_of("eagle2", target, link=delayed, server_link=delayed)
+    g = split.engine.generate(PROMPTS[2], 16)
+    assert g.new_tokens == hf_greedy(target.model, PROMPTS[2], 16)
+    s = g.split
+    assert s["link_s"] / s["calls"] >= 0.010 and s["round_trip_s"] >= s["server_s"] + 0.010 * s["calls"]

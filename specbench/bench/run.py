@@ -335,7 +335,7 @@ class Runner:
         """deploy=client_server applies to the drafter's run; the baseline beside it is the single-device one."""
         return self.deploy.name == "client_server" and node.name != "none"
 
-    def _split(self, node, drafter: Drafter):
+    def _split(self, node, drafter: Drafter, run_dir: RunDir):
         """The client of deploy=client_server: its server started (unless spawn=false) and the handshake done; a
         drafter that cannot run split is refused here, before the server starts."""
         from specbench.deploy.client import SplitClient, spawn_server
@@ -348,7 +348,7 @@ class Runner:
                     "drafter": with_paper_tree(inference_spec(node), self.paper_tree), "name": node.name,
                     "seed": self.cfg.seed, "deploy": OmegaConf.to_container(self.cfg.deploy, resolve=True),
                     "link": OmegaConf.to_container(self.cfg.link, resolve=True)}
-            server, port = spawn_server(spec, self.deploy)
+            server, port = spawn_server(spec, self.deploy, run_dir.path)  # its spec and log beside the run's records
         try:
             return SplitClient(self.target, drafter, node.name, self.deploy, self.link, self.cfg.seed, port, server)
         except BaseException:
@@ -401,7 +401,7 @@ class Runner:
                 **({"baseline": {k: timed[k] for k in ("run", "date", "commit")}} if timed is not None else {}),
             })
         if todo:
-            split = self._split(node, drafter) if self.split_run(node) else None
+            split = self._split(node, drafter, run_dir) if self.split_run(node) else None
             engine = Engine(self.target, drafter, self.decoding.sampling(),
                             verifier=None if split is None else split.verifier_for)
             try:

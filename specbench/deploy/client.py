@@ -241,8 +241,10 @@ def stop_server(proc: subprocess.Popen | None, wait_s: float = 10.0) -> None:
 
 def spawn_server(spec: dict, deploy: DeployConfig, workdir: Path | None = None) -> tuple[subprocess.Popen, int]:
     """`python -m specbench.deploy.server --spec` as a child process; (the process, its port) once it listens. Its
-    failure to start (a port in use, a drafter it cannot build) is its own one line."""
+    failure to start (a port in use, a drafter it cannot build) is its own one line. Its spec and log are written to
+    `workdir` (a run's directory)."""
     d = Path(workdir or tempfile.mkdtemp(prefix="specbench-server-"))
+    d.mkdir(parents=True, exist_ok=True)
     path = d / "server_spec.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": str(deploy.server_threads)}
