@@ -11,8 +11,9 @@ stay) and, while a tree grows, drafted entries behind them (which go). A step is
     dc.commit(fresh)                          # they count now; a row's padding entries past them are stale
     tree = dc.grow(grow, root, region, policy, vocab)  # the tree's levels, drafted entries dropped after
 
-(`dc.append(step, fresh, *inputs, region=...)` in place of the first three for layers that are not an HF decoder),
-and `dc.keep(leave)` when finished rows leave the batch. The cache is a PreallocatedCache written at each row's own
+(`dc.append(step, fresh, *inputs, region=...)` in place of the first three for layers that are not an HF decoder;
+`fresh, ids = dc.unseen(state)` for a drafter that re-reads the verified tokens, sd's and MoA's), and `dc.keep(leave)`
+when finished rows leave the batch (CachedRows.keep_rows). The cache is a PreallocatedCache written at each row's own
 length, or model.compile's StaticCache: at batch 1 the rows are one, the cache unragged (a slice write), and a new
 row's entries are causal among themselves, so no mask is built for them (the model's causal one): an optimisation
 inside the one path, not a second path.
