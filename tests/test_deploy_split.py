@@ -137,3 +137,14 @@ def test_a_delayed_link_shows_in_the_link_share(split_of):
     assert g.new_tokens == hf_greedy(target.model, PROMPTS[2], 16)
     s = g.split
     assert s["link_s"] / s["calls"] >= 0.010 and s["round_trip_s"] >= s["server_s"] + 0.010 * s["calls"]
+
+
+def test_prompt_and_times_round_trip():
+    """PROMPT carries the budget (u32) and 3 bytes per token; TIMES 4 bytes (microseconds) per step."""
+    raw = P.encode_prompt(64, [5, 1 << 20, 7])
+    assert len(raw) == 4 + 9 and P.decode_prompt(raw)[0] == 64 and P.decode_prompt(raw)[1].tolist() == [5, 1 << 20, 7]
+    assert P.decode_times(P.encode_times([0.25, 1e-6, 0.0])) == [0.25, 1e-6, 0.0]
+    with pytest.raises(P.ProtocolError, match="a budget of 0 new tokens"):
+        P.encode_prompt(0, [1])
+    with pytest.raises(P.ProtocolError, match="malformed PROMPT: no tokens"):
+        P.decode_prompt(raw[:4])
