@@ -148,3 +148,16 @@ def test_prompt_and_times_round_trip():
         P.encode_prompt(0, [1])
     with pytest.raises(P.ProtocolError, match="malformed PROMPT: no tokens"):
         P.decode_prompt(raw[:4])
+
+
+@pytest.mark.parametrize("name", SPLIT)
+def test_an_eos_stops_both_sides_at_the_same_token(name, split_of):
+    """An EOS inside an accepted path: the server stops its answer where the client's `decide` does, and the next
+    answer on the same connection starts clean."""
+    prompt = PROMPTS[0]
+    free = hf_greedy(target_for().model, prompt, 40)
+    k = next(i for i in range(8, 40) if free[i] not in free[:i])
+    target = target_for(eos=free[k])
+    split = split_of(name, target)
+    assert split.engine.generate(prompt, 40).new_tokens == free[: k + 1]
+    assert split.engine.generate(PROMPTS[2], 20).new_tokens == hf_greedy(target.model, PROMPTS[2], 20)
