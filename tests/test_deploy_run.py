@@ -117,3 +117,15 @@ def test_a_server_killed_mid_answer_is_one_line_and_finished_answers_stay(make_c
     done = [json.loads(x) for x in (run / "records.jsonl").read_text().splitlines()]
     assert len(done) == 2 and all(r["split"]["calls"] > 0 for r in done)  # question 1's two turns
     assert procs[0].poll() is not None
+
+
+def test_a_disconnection_run_records_the_cut_and_the_clients_own_tokens(make_cfg, one_thread):
+    run = Runner(make_cfg("drafter=sd", "drafter.checkpoint=null", *SPLIT, "link.disconnect_after_tokens=5")).execute()
+    summary = json.loads((run.path / "summary.json").read_text())
+    recs = [json.loads(x) for x in (run.path / "records.jsonl").read_text().splitlines()]
+    s = summary["split"]
+    cut = [r for r in recs if r["split"]["disconnected_at"] is not None]
+    assert s["disconnected"] == len(cut) >= 1 and s["alone_tokens"] == sum(r["split"]["alone_tokens"] for r in recs) > 0
+    for r in cut:  # the server's part is the target's; a divergence after the cut is the client's own text
+        d = r.get("divergence")
+        assert d is None or (d["position"] >= r["split"]["disconnected_at"] and d["kind"] == "unclassified")

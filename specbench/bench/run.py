@@ -581,6 +581,11 @@ class Runner:
         j = row["first_divergence"]
         if j is None or j >= min(len(ref), len(g.new_tokens)):  # equal, or one output a prefix of the other
             return row
+        if g.split is not None:  # deploy=client_server: the replays capture logits, which do not cross
+            why = ("the client finished alone after its link dropped" if g.alone_tokens else
+                   "a split run's logits stay on the server (replay it with deploy=local)")
+            row["divergence"] = {"position": j, "kind": "unclassified", "why": why}
+            return row
         replay = Engine(self.target, NoDrafter(self.target), self.decoding.sampling())
         if self.decoding.batch_size == 1:
             kind = divergence.classify(replay, engine, ids, j, g.new_tokens[j], ref[j], context, self.target.dtype)
