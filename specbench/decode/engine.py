@@ -15,6 +15,9 @@ static cache of its batch bucket) under explicit per-row masks and positions; a 
 model's causal one says the same: an optimisation, not another path).
 Host round trips per step: that one transfer, and none of the drafters' (a traced run reads the trees besides;
 tests/test_roundtrips.py counts them).
+Steps 1 and 3-5's target work (prefill, forward, acceptance, outcome, the read, compaction, the drafter's rows) sit
+behind a verifier (specbench/decode/verifier.py): LocalVerifier in this process, or a split's RemoteVerifier
+(specbench/deploy/client.py) whose target is a server; the engine keeps the drafter, the rows, counters and clock.
 """
 from __future__ import annotations
 
