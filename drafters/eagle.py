@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specbench.decode.drafter import HIDDEN, TrainableDrafter, chain_paths
+from specbench.decode.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
-from drafters.trees import Grown, grow_by_features, make_tree
+from drafters.trees import Grown, chain_alone, grow_by_features, make_tree
 from specbench.decode.checkpoints import authors_config, check_authors_config, copy_state, read_state, resolve
 from specbench.decode.compiled import decode
 from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
@@ -314,8 +314,4 @@ class EagleDrafter(CachedRows, TrainableDrafter):
     def continue_alone(self, state: TargetState, max_new: int) -> torch.Tensor:
         """The target is gone (Table 4): greedy text of its own, [A, max_new], as one chain grown by its tree
         growth, each token fed its parent's predicted feature (EAGLE-2 feeding back its own features)."""
-        policy, self.policy = self.policy, make_tree(kind="static", paths=chain_paths(max_new))
-        try:
-            return self.propose_rows(state).tokens
-        finally:
-            self.policy = policy
+        return chain_alone(self, state, max_new)

@@ -87,7 +87,7 @@ from specbench.decode.drafter import KV, TrainableDrafter, chain_paths
 from specbench.errors import SpecbenchError
 from drafters.distill import per_sequence_weights, teacher_probs, top1, weighted_mean
 from drafters.layers import CrossAttend, dims, layers_config, target_layer
-from drafters.trees import Grown, GrowingTree, make_tree
+from drafters.trees import Grown, GrowingTree, chain_alone, make_tree
 from specbench.decode.target import cache_kv, kv_per_token
 from specbench.decode.tree import additive, batch_tree_mask
 from specbench.decode.types import DraftTree, TargetState
@@ -586,11 +586,7 @@ class MoADrafter(CachedRows, TrainableDrafter):
     def continue_alone(self, state: TargetState, max_new: int) -> torch.Tensor:
         """The target is gone (Table 4): greedy text of its own, [A, max_new], as one chain grown over its frozen
         activations (CA) and caches: each token through SA and the TLI layers over its drafted ancestors."""
-        policy, self.policy = self.policy, make_tree(kind="static", paths=chain_paths(max_new))
-        try:
-            return self.propose_rows(state).tokens
-        finally:
-            self.policy = policy
+        return chain_alone(self, state, max_new)
 
 
 # ---- the authors' published layout -----------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import torch
 
 from specbench.errors import SpecbenchError
 from specbench.decode.tree import is_chain
-from specbench.decode.types import DraftTree
+from specbench.decode.drafter import chain_paths
+from specbench.decode.types import DraftTree, TargetState
 
 
 @dataclass(frozen=True)
@@ -288,6 +289,16 @@ class DynamicTree(TreePolicy):
         par = parents.gather(1, keep)
         return Grown(tokens.gather(1, keep), torch.where(par >= 0, new_id.gather(1, par.clamp(min=0)), -1),
                      is_chain=k == 1, priority=scores.gather(1, keep))  # the best n of these: the tree of n nodes
+
+
+def chain_alone(drafter, state: TargetState, n: int) -> torch.Tensor:
+    """A tree drafter's greedy text when the target is gone (a split's verifier, Table 4): one propose_rows with its
+    policy swapped for a chain of n -> tokens [A, n]."""
+    policy, drafter.policy = drafter.policy, make_tree(kind="static", paths=chain_paths(n))
+    try:
+        return drafter.propose_rows(state).tokens
+    finally:
+        drafter.policy = policy
 
 
 def make_tree(kind: str, **options):
