@@ -129,3 +129,38 @@ def test_a_disconnection_run_records_the_cut_and_the_clients_own_tokens(make_cfg
     for r in cut:  # the server's part is the target's; a divergence after the cut is the client's own text
         d = r.get("divergence")
         assert d is None or (d["position"] >= r["split"]["disconnected_at"] and d["kind"] == "unclassified")
+
+
+def test_a_server_elsewhere_needs_its_port(make_cfg):
+    with pytest.raises(SpecbenchError, match="deploy.spawn=false connects to a server already listening"):
+        Runner(make_cfg("drafter=sd", *SPLIT, "deploy.spawn=false"))
+
+
+def test_a_server_started_by_hand_serves_a_run_and_stops_at_its_bye(make_cfg, tmp_path, one_thread):
+    """python -m specbench.deploy.server --spec (as on another machine), then a run with deploy.spawn=false."""
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from specbench.bench.run import inference_spec
+
+    cfg = make_cfg("drafter=sd", "drafter.checkpoint=null", *SPLIT)
+    spec = {"model": OmegaConf.to_container(cfg.model, resolve=True), "drafter": inference_spec(cfg.drafter),
+            "name": "sd", "seed": cfg.seed, "deploy": OmegaConf.to_container(cfg.deploy, resolve=True),
+            "link": OmegaConf.to_container(cfg.link, resolve=True)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "specbench.deploy.server", "--spec", str(tmp_path / "spec.json")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        port = int(proc.stdout.readline().split()[1])
+        run = Runner(make_cfg("drafter=sd", "drafter.checkpoint=null", *SPLIT, "deploy.spawn=false",
+                              f"deploy.port={port}")).execute()
+        summary = json.loads((run.path / "summary.json").read_text())
+        assert summary["lossless"]["rate"] == 1.0 and summary["split"]["answers"] == 4
+        assert proc.wait(timeout=20) == 0  # the run's BYE stopped it
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # (the server this test started, by its pid)
+            proc.wait()

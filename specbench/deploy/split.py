@@ -38,6 +38,9 @@ class DeployConfig:
     def check(self) -> None:
         if self.name not in DEPLOYS:
             raise SpecbenchError(f"deploy.name={self.name!r} is not one of {', '.join(DEPLOYS)}")
+        if self.name == "client_server" and not self.spawn and self.port == 0:
+            raise SpecbenchError("deploy.spawn=false connects to a server already listening: give its deploy.port "
+                                 "(and deploy.host)")
         if not 0 <= self.port < 65536 or self.client_threads < 1 or self.server_threads < 1:
             raise SpecbenchError(f"deploy: port={self.port} must be in 0..65535 and client_threads="
                                  f"{self.client_threads}, server_threads={self.server_threads} at least 1")
