@@ -32,7 +32,7 @@ from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.errors import SpecbenchError
 from specbench.decode.rows import RowCounts
 from specbench.decode.sampling import logits_to_probs, sample
-from specbench.decode.types import DraftTree, TargetState
+from specbench.decode.types import DraftTree, SamplingParams, TargetState
 from specbench.decode.verifier import Crossing
 
 
@@ -226,26 +226,34 @@ class IndependentDrafter(CachedRows, TrainableDrafter):
 
     @torch.inference_mode()
     def propose_rows(self, state: TargetState) -> DraftTree:
-        a, dev = state.rows, state.tokens.device
-        counts, ids = self.cache.unseen(state)  # catch up: the verified tokens the draft model has not read
-        logits = self._append(ids, counts)  # [A, V]
+        logits = self._catch_up(state)  # [A, V]
         if self.policy is not None:  # (model.compile: the whole tree one compiled region)
             return self.cache.grow(self._grow, logits, self.region, self.policy, logits.shape[-1])
-        one = RowCounts.copy([1] * a, dev)
+        return DraftTree.chain(*self._chain(logits, self.gamma, state, state.sampling))
+
+    def _catch_up(self, state: TargetState) -> torch.Tensor:
+        """The verified tokens the draft model has not read, appended -> the logits after each row's last one [A, V]."""
+        counts, ids = self.cache.unseen(state)
+        return self._append(ids, counts)
+
+    def _chain(self, logits: torch.Tensor, n: int, state: TargetState,
+               sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """n tokens, each drawn from the logits after the one before (logits [A, V]: after each row's last verified
+        token) and fed back -> tokens [A, n] and the laws q [A, n, V] they were sampled from (None when greedy)."""
+        one = RowCounts.copy([1] * state.rows, state.tokens.device)
         tokens, qs = [], []
-        gens = state.generators or (state.generator,) * a
-        for i in range(self.gamma):
-            if state.sampling.greedy:
+        gens = state.generators or (state.generator,) * state.rows
+        for i in range(n):
+            if sampling.greedy:
                 x = logits.argmax(-1)  # [A]
             else:
-                q = logits_to_probs(logits, state.sampling)  # [A, V]
+                q = logits_to_probs(logits, sampling)  # [A, V]
                 x = torch.cat([sample(q[r : r + 1], g) for r, g in enumerate(gens)])  # each row its own RNG
                 qs.append(q)
             tokens.append(x)
-            if i + 1 < self.gamma:  # (a draft stays in the cache: on_verified_rows keeps the accepted ones)
+            if i + 1 < n:  # (a draft stays in the cache: on_verified_rows keeps the accepted ones)
                 logits = self._append(x[:, None], one)
-        probs = torch.stack(qs, dim=1) if qs else None  # [A, gamma, V]
-        return DraftTree.chain(torch.stack(tokens, dim=1), probs)
+        return torch.stack(tokens, dim=1), torch.stack(qs, dim=1) if qs else None
 
     def _grow(self, root_logits: torch.Tensor, at, laid_out: bool) -> Grown:
         """Tree drafting (MoA's "Independent" row uses EAGLE-2's tree, papers/002 Sec. 4): root_logits [A, V] -> the
@@ -276,12 +284,4 @@ class IndependentDrafter(CachedRows, TrainableDrafter):
     @torch.inference_mode()
     def continue_alone(self, state: TargetState, max_new: int) -> torch.Tensor:
         """The target is gone (Table 4): the draft model continues as a plain LM, greedy, [A, max_new]."""
-        counts, ids = self.cache.unseen(state)  # catch up as propose_rows does
-        logits = self._append(ids, counts)  # [A, V]
-        one = RowCounts.copy([1] * state.rows, state.tokens.device)
-        out = []
-        for i in range(max_new):
-            out.append(logits.argmax(-1))
-            if i + 1 < max_new:
-                logits = self._append(out[-1][:, None], one)
-        return torch.stack(out, 1)
+        return self._chain(self._catch_up(state), max_new, state, SamplingParams())[0]
