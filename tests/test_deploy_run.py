@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from specbench.bench.run import Runner
+from specbench.core.records import read_jsonl
 from specbench.deploy.client import SplitClient
 from specbench.deploy.errors import Refused
 from specbench.deploy.link import LinkConfig
@@ -33,6 +34,8 @@ def test_a_split_run_is_lossless_and_measured(make_cfg, one_thread):
     assert s["bytes_up_per_step"] > 8 and s["bytes_down_per_step"] > 14 and s["prefill_bytes_down_per_answer"]["mean"] > 0
     assert s["server_ms_per_step"] > 0 and s["link_ms_per_step"] >= 0 and s["draft_ms_per_step"] > 0
     assert "deploy" in json.loads(run.run_json.read_text())["config"]["drafter"]  # named apart from the local run
+    # each record names what crossed (Table 7's formula in the report reads it): MoA at TLI 0, the LSA's two halves
+    assert [[n for n, _ in r["split"]["needs"]] for r in read_jsonl(run.path / "records.jsonl")] == [["lsa0", "lsa1"]] * 4
 
 
 def test_a_drafter_that_does_not_run_split_is_refused_before_decoding(make_cfg):

@@ -160,6 +160,8 @@ class RemoteVerifier:
             "link_s": None if cut else sum(r - s for r, s in zip(self.rtt, server)),
             "disconnected_at": self.cut_at,
             "alone_tokens": gen.alone_tokens,
+            # what crossed per verified token (name, width), so Table 7's formula is read from the run itself
+            "needs": [[a.name, a.width] for a in self.client.needs],
         }
 
 

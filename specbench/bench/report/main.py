@@ -6,10 +6,11 @@ from pathlib import Path
 from specbench.bench.report.cells import (
     Table, cell_key, file_stem, load_failures, load_runs, option_key, render)
 from specbench.bench.report.tables import (
-    AutoTable, BaselinesTable, BatchTable, BoardTable, VocabTable, experiment_report)
+    AutoTable, BaselinesTable, BatchTable, BoardTable, ClientServerTable, VocabTable, experiment_report)
 from specbench.bench.report.figures import figure_cost, figure_leviathan
 from specbench.bench.report.logs import training_curves, trainmem, trainspeed
 from specbench.bench.report.scaling import train_scaling
+from specbench.bench.report.client_server import client_server_report
 from specbench.bench.report.experiments import (
     baselines_report, batch_report, board_report, tree_auto_report, vocab_report)
 
@@ -54,6 +55,8 @@ def report(results: Path) -> list[Path]:
             written += batch_report(exp_dir, table, "batch" in figures)
         for table in (t for t in tables if isinstance(t, BoardTable)):
             written += board_report(exp_dir, table)
+        for table in (t for t in tables if isinstance(t, ClientServerTable)):
+            written += client_server_report(exp_dir, table, "client_server" in figures)
     training_curves(results / "training", results / "training")
     written += train_scaling(results / "train_scaling", results / "training")
     trainmem(results / "trainmem")

@@ -49,6 +49,19 @@ class BoardTable:
     ours: tuple[tuple[str, str], ...] = ()  # (published method, our drafter) where they are the same method
 
 
+@dataclass(frozen=True)
+class ClientServerTable:
+    """MoA's client-server setting (client_server_report, issue 78): Tables 3, 4 and 7 of papers/002 mirrored over one
+    sweep of drafter x split_case (conf/experiment/moa_client_server.yaml), written as <name>3/4/7.<model>.md."""
+
+    name: str
+    dataset: str
+    drafters: tuple[str, ...]
+    links: tuple[str, ...]  # Table 3's link profiles (conf/link/), in its column order
+    cuts: tuple[int, ...]  # Table 4's B (link.disconnect_after_tokens); B = ∞ is the first link's run (no cut)
+    published: dict | None = None  # the paper's rows: {table3: {method: [5G, 4G, τ, calls]}, table4: {method: [...]}}
+
+
 DATASET_KINDS = {"auto": AutoTable, "vocab": VocabTable, "batch": BatchTable, "baselines": BaselinesTable}
 
 
@@ -70,11 +83,14 @@ def experiment_report(exp: str) -> tuple[list, list[str]] | None:
         elif kind == "board":
             tables.append(BoardTable(t["name"], tuple(t["columns"].items()), tuple(t["drafters"]), t.get("published"),
                                      tuple((t.get("ours") or {}).items())))
+        elif kind == "client_server":
+            tables.append(ClientServerTable(t["name"], t["dataset"], tuple(t["drafters"]), tuple(t["links"]),
+                                            tuple(int(b) for b in t["cuts"]), t.get("published")))
         elif kind == "table":
             tables.append(Table(t["name"], t["caption"], tuple(t["drafters"]), tuple(t["datasets"]),
                                 tuple(t["metrics"]), tuple(float(x) for x in t.get("temperatures", [0.0])),
                                 bool(t.get("mean", False)), t.get("paper_tree", ""), t.get("option", "")))
         else:
-            raise ValueError(f"{path}: report table kind {kind!r} is not table, router, auto, vocab, batch, baselines or "
-                             f"board")
+            raise ValueError(f"{path}: report table kind {kind!r} is not table, router, auto, vocab, batch, baselines, "
+                             f"board or client_server")
     return tables, list(node.get("figures", []))
