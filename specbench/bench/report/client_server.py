@@ -274,7 +274,7 @@ def figure_client_server(t: ClientServerTable, cells: dict, path: Path) -> None:
     the target alone single-device as a reference line."""
     xs = [LOCAL, *t.links]
     labels = ["single-device", *(link.upper() for link in t.links)]
-    fig, ax = style.subplots(figsize=(4.6, 3.0))
+    fig, ax = style.subplots(figsize=(5.4, 3.0))
     for d in t.drafters:
         pts = [(i, _speed(cells.get((d, t.dataset, x)))) for i, x in enumerate(xs)]
         pts = [(i, v) for i, v in pts if v is not None]
@@ -284,10 +284,11 @@ def figure_client_server(t: ClientServerTable, cells: dict, path: Path) -> None:
     if base is not None:
         ax.axhline(base, color=style.BASELINE, lw=0.8, ls="--", label="target alone")
     ax.set_xticks(range(len(xs)), labels)
+    ax.set_xlim(-0.4, len(xs) - 0.6)
     ax.set_ylabel("tokens/s")
     ax.set_ylim(bottom=0)
     ax.set_title(f"{style.dataset_name(t.dataset)}: tokens/s per link (client-server)")
-    ax.legend(loc="best")
+    fig.legend(loc="outside right center")
     style.save(fig, path)
 
 
