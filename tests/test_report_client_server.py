@@ -74,6 +74,15 @@ def _scorer(head: dict):
     return score
 
 
+def _likelihood(head: dict):
+    """A stand-in for the target's log-likelihood: -1 nat for each token after the cut that is not the target's at
+    that position, 0 for each that is."""
+    def loglik(q: str, ids: list[int], cut: int) -> tuple[float, int]:
+        own = ids[cut:]
+        return -float(sum(a != b for a, b in zip(own, TARGET[q][cut:]))), len(own)
+    return loglik
+
+
 def test_tables_3_7_and_4_from_the_runs(tmp_path):
     exp = tmp_path / "moa_client_server"
     _run(exp, "base", "none", speed=4.0)
@@ -85,7 +94,7 @@ def test_tables_3_7_and_4_from_the_runs(tmp_path):
     _run(exp, "moa_b5", "moa", deploy="client_server", cut=5, needs=MOA_NEEDS, answers=moa5, cuts={"0": 6, "1": 5})
     _run(exp, "moa_b10", "moa", deploy="client_server", cut=10, needs=MOA_NEEDS, cuts={"0": 10, "1": 11})
     _run(exp, "sd_5g", "sd_tree", deploy="client_server", link="5g", speed=2.5, needs=[], answered=[1, 1])
-    written = client_server_report(exp, _table(), figure=True, scorer_for=_scorer)
+    written = client_server_report(exp, _table(), figure=True, scorer_for=_scorer, likelihood_for=_likelihood)
     assert {p.name for p in written} == {"table3.tiny.md", "table7.tiny.md", "table4.tiny.md", "table4.tiny.json",
                                          "client_server.tiny.png"}
     assert (exp / "client_server.tiny.pdf").is_file()
@@ -114,11 +123,15 @@ def test_tables_3_7_and_4_from_the_runs(tmp_path):
     # B = 5: question 0 kept 4 of 14 after its cut at 6, question 1 none of 15 after 5
     assert kept["moa"] == ["14% (4/29; cut at 5,6)", "100% (19/19; cut at 10,11)", "100% (no cut)"]
     assert "Before the cut every answer equals the target's." in t4
+    ll = _rows(t4, 3)
+    # B = 5: question 0's 14 tokens after 6, 4 kept then 10 not; question 1's 15 after 5, none kept: -25 / 29
+    assert ll["moa"] == ["-0.86 (29)", "0.00 (19)"] and ll["sd_tree"] == [MISSING, MISSING]
+    assert ll["the target's own greedy continuation"] == ["0.00 (30)", "0.00 (20)"]
     executed = json.loads((exp / "table4.tiny.json").read_text())
     assert {(e["row"], e["B"], e["question"]) for e in executed if not e["passed"]} >= {("moa", "5", "0")}
 
     # without a scorer (no harness) the pass@1 cells stay missing, the finer score does not
-    client_server_report(exp, _table(), figure=False, scorer_for=None)
+    client_server_report(exp, _table(), figure=False, scorer_for=None, likelihood_for=None)
     t4 = (exp / "table4.tiny.md").read_text()
     assert _rows(t4)["moa"] == [MISSING] * 3 and _rows(t4, 2)["moa"][0].startswith("14%")
 
@@ -128,7 +141,7 @@ def test_an_answer_that_differs_before_the_cut_is_named(tmp_path):
     _run(exp, "base", "none")
     bad = {"0": [7] + TARGET["0"][1:], "1": TARGET["1"]}
     _run(exp, "moa_b5", "moa", deploy="client_server", cut=5, needs=MOA_NEEDS, answers=bad, cuts={"0": 5, "1": 5})
-    client_server_report(exp, _table(), figure=False, scorer_for=None)
+    client_server_report(exp, _table(), figure=False, scorer_for=None, likelihood_for=None)
     assert "moa at B = 5: 1 answer(s) differ from the target's before the cut" in (exp / "table4.tiny.md").read_text()
 
 

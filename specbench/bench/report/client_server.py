@@ -13,7 +13,10 @@ Tables 3, 4 and 7 mirrored from one sweep of drafter x split_case, and a figure 
   `kept after the cut`: of the target's greedy continuation after the cut (the baseline's tokens from the cut on),
   the share the client reproduces before it first differs, pooled over answers (Σ common prefix / Σ tokens the
   target had left). It needs no extra model run: before the cut the split is lossless, so the baseline's tokens are
-  what the target would have sent. B = ∞ is the first link's run (no cut: the target's output).
+  what the target would have sent. And the target's mean log-likelihood per token of the client's own tokens after
+  the cut, in context (one target forward per answer; the ceiling beside it: the same for the target's own greedy
+  continuation), which still tells drafters apart where every client differs from the target at its first token.
+  B = ∞ is the first link's run (no cut: the target's output).
   Each executed answer is written to `<name>4.<model>.json` (question, B, passed, result).
 """
 from __future__ import annotations
@@ -31,6 +34,9 @@ LOCAL = "local"
 
 # (question id, token ids) -> (passed, the harness's result line)
 Scorer = Callable[[str, list[int]], tuple[bool, str]]
+# (question id, the answer's token ids, cut) -> (Σ the target's log-probability of ids[cut:] after the prompt and
+# ids[:cut], how many tokens that is)
+Likelihood = Callable[[str, list[int], int], tuple[float, int]]
 
 
 def case_key(summary: dict, head: dict) -> tuple:
@@ -199,7 +205,35 @@ def humaneval_scorer(head: dict) -> Scorer:
     return score
 
 
-def table4(exp_dir: Path, t: ClientServerTable, cells: dict, scorer: Scorer | None) -> tuple[list[str], list[dict]]:
+def target_likelihood(head: dict) -> Likelihood:
+    """The target's log-likelihood of an answer's tokens from `cut` on, in context (the run's chat prompt of the
+    question, then the answer's tokens before the cut): one forward of the target per answer, float32, on the CPU."""
+    import torch
+
+    from specbench.core.config import DatasetConfig, ModelConfig, to_dataclass
+    from specbench.core.models import chat_prompt_ids, load_model
+    from specbench.data.data import load_questions
+
+    mcfg = to_dataclass(ModelConfig, {**head["config"]["model"], "device": "cpu", "dtype": "float32"})
+    model, tok, device = load_model(mcfg)
+    questions = {q.question_id: q.turns[0] for q in load_questions(to_dataclass(DatasetConfig,
+                                                                                 head["config"]["dataset"]))}
+
+    def loglik(question_id: str, ids: list[int], cut: int) -> tuple[float, int]:
+        prompt = chat_prompt_ids(tok, [{"role": "user", "content": questions[question_id]}], mcfg.system_prompt)
+        if cut >= len(ids):
+            return 0.0, 0
+        x = torch.tensor([prompt + ids], device=device)  # [1, P + N]
+        with torch.no_grad():
+            logp = model(x).logits[0, :-1].float().log_softmax(-1)  # [P + N - 1, V]: the next token's
+        start = len(prompt) + cut  # the first of the client's own tokens, predicted at position start - 1
+        got = logp[start - 1:].gather(-1, x[0, start:, None])[:, 0]  # [N - cut]
+        return float(got.sum()), int(got.numel())
+    return loglik
+
+
+def table4(exp_dir: Path, t: ClientServerTable, cells: dict, scorer: Scorer | None,
+           likelihood: Likelihood | None = None) -> tuple[list[str], list[dict]]:
     """Table 4's lines, and each executed answer (question, row, B, passed, result)."""
     ds = t.dataset
     base = cells.get(("none", ds, LOCAL))
@@ -217,9 +251,18 @@ def table4(exp_dir: Path, t: ClientServerTable, cells: dict, scorer: Scorer | No
             executed.append({"row": row, "B": b, "question": q, "passed": ok, "result": result})
         return f"{n}/{len(answers)} ({n / len(answers):.0%})"
 
-    pass_rows, kept_rows, note = [], [], []
+    def mean_ll(pairs: list[tuple[str, list[int], int]]) -> str:
+        if likelihood is None or not pairs:
+            return MISSING
+        total = n = 0
+        for q, ids, cut in pairs:
+            lp, k = likelihood(q, ids, cut)
+            total, n = total + lp, n + k
+        return f"{total / n:.2f} ({n})" if n else MISSING
+
+    pass_rows, kept_rows, ll_rows, note = [], [], [], []
     for d in t.drafters:
-        p_row, k_row = [d], [d]
+        p_row, k_row, l_row = [d], [d], [d]
         for b in t.cuts:
             recs = [r for r in _records(exp_dir, cells.get((d, ds, f"B={b}"))) if r["turn"] == 0]
             p_row.append(passed(d, str(b), {r["question_id"]: r["new_token_ids"] for r in recs}))
@@ -238,12 +281,17 @@ def table4(exp_dir: Path, t: ClientServerTable, cells: dict, scorer: Scorer | No
             at = sorted({c for c in cuts if c is not None})
             k_row.append(MISSING if not recs or not left else
                          f"{same / left:.0%} ({same}/{left}; cut at {','.join(map(str, at))})")
+            l_row.append(mean_ll([(r["question_id"], r["new_token_ids"], r["split"]["disconnected_at"])
+                                  for r in recs if (r.get("split") or {}).get("disconnected_at") is not None]))
         full = next((cells.get((d, ds, link)) for link in t.links if cells.get((d, ds, link))), None)
         p_row.append(passed(d, "inf", {r["question_id"]: r["new_token_ids"]
                                        for r in _records(exp_dir, full) if r["turn"] == 0}))
         k_row.append("100% (no cut)" if full else MISSING)
         pass_rows.append(p_row)
         kept_rows.append(k_row)
+        ll_rows.append(l_row)
+    ll_rows.append(["the target's own greedy continuation"] + [mean_ll([(q, ids, b) for q, ids in sorted(target.items())])
+                                                              for b in t.cuts])
     bound = ["stop at B (lower bound)"] + [passed("stop at B", str(b), {q: ids[:b] for q, ids in target.items()})
                                            for b in t.cuts] + [passed("stop at B", "inf", target)]
     pass_rows.append(bound)
@@ -260,7 +308,14 @@ def table4(exp_dir: Path, t: ClientServerTable, cells: dict, scorer: Scorer | No
                     "answers (Σ common prefix / Σ tokens the target had left; the cut per answer in brackets). "
                     + ("Before the cut every answer equals the target's." if not note else
                        "Answers that differ before the cut: " + "; ".join(note) + "."))
-    out = md_table(caption, ["method", *cols], pass_rows) + [""] + md_table(kept_caption, ["method", *cols], kept_rows)
+    ll_caption = ("The target's mean log-likelihood per token (nats) of the client's own tokens after the cut, in "
+                  "context (the question's prompt and the answer before the cut; one target forward per answer, "
+                  "float32), pooled over the answers (the token count in brackets); beside it the same for the "
+                  "target's own greedy continuation from B, its ceiling. Closer to 0: text the target finds more "
+                  "likely. A degenerate repetition can score well once it repeats (a language model predicts its own "
+                  "loops), so read it beside the texts' pass@1 and the share kept.")
+    out = (md_table(caption, ["method", *cols], pass_rows) + [""] + md_table(kept_caption, ["method", *cols], kept_rows)
+           + [""] + md_table(ll_caption, ["method", *cols[:-1]], ll_rows))
     pub = (t.published or {}).get("table4")
     if pub:
         out += [""] + md_table(f"Published ({pub['source']}): {pub['setting']}. Another target and drafters, all of "
@@ -293,9 +348,10 @@ def figure_client_server(t: ClientServerTable, cells: dict, path: Path) -> None:
 
 
 def client_server_report(exp_dir: Path, t: ClientServerTable, figure: bool,
-                         scorer_for: Callable[[dict], Scorer] | None = humaneval_scorer) -> list[Path]:
-    """Tables 3, 7 and 4 per setting (and the figure with `figure`); scorer_for(a run's run.json) -> the pass@1
-    scorer (None: Table 4's pass@1 cells stay '–')."""
+                         scorer_for: Callable[[dict], Scorer] | None = humaneval_scorer,
+                         likelihood_for: Callable[[dict], Likelihood] | None = target_likelihood) -> list[Path]:
+    """Tables 3, 7 and 4 per setting (and the figure with `figure`); scorer_for / likelihood_for(the baseline's
+    run.json) -> the pass@1 scorer / the target's log-likelihood (None: those cells of Table 4 stay '–')."""
     by_setting = load_runs(exp_dir, case_key)
     written = []
     for setting, cells in sorted(by_setting.items()):
@@ -304,7 +360,9 @@ def client_server_report(exp_dir: Path, t: ClientServerTable, figure: bool,
         written.append(write_md(exp_dir / f"{t.name}7.{stem}.md", table7(exp_dir, t, cells)))
         base = cells.get(("none", t.dataset, LOCAL))
         scorer = scorer_for(base["_head"]) if scorer_for and base else None
-        lines, executed = table4(exp_dir, t, cells, scorer)
+        has_cuts = any(k[2].startswith("B=") for k in cells)
+        likelihood = likelihood_for(base["_head"]) if likelihood_for and base and has_cuts else None
+        lines, executed = table4(exp_dir, t, cells, scorer, likelihood)
         written.append(write_md(exp_dir / f"{t.name}4.{stem}.md", lines))
         if executed:
             path = exp_dir / f"{t.name}4.{stem}.json"
