@@ -166,3 +166,27 @@ def test_the_experiment_declares_tables_3_4_and_7():
     assert isinstance(table, ClientServerTable) and figures == ["client_server"]
     assert table.drafters == ("moa", "moa_tli1", "eagle2", "sd_tree") and table.links == ("5g", "4g")
     assert table.cuts == (1, 10, 25, 50)
+
+
+def test_each_case_of_the_sweep_composes_to_its_deploy_and_link():
+    """conf/split_case/: the rows of moa_client_server's one sweep compose to the deploy, link and cut they name, over
+    the experiment's HumanEval and MoA tree."""
+    from hydra import compose, initialize_config_dir
+
+    from specbench.core.cli import CONF_DIR
+    from specbench.core.config import register_schema
+
+    register_schema()
+    want = {"5g": ("client_server", "5g", None), "4g": ("client_server", "4g", None), "local": ("local", "none", None),
+            **{f"cut{b}": ("client_server", "none", b) for b in (1, 10, 25, 50)}}
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for case, (deploy, link, cut) in want.items():
+            cfg = compose(config_name="config", overrides=["+experiment=moa_client_server", f"split_case={case}"])
+            assert (cfg.deploy.name, cfg.link.name, cfg.link.disconnect_after_tokens) == (deploy, link, cut), case
+            assert cfg.dataset.name == "humaneval" and cfg.tree.total_tokens == 62
+    # the sweep runs every case of the group
+    import yaml
+
+    exp = yaml.safe_load((CONF_DIR / "experiment" / "moa_client_server.yaml").read_text())
+    cases = set(exp["hydra"]["sweeper"]["params"]["split_case"].split(","))
+    assert cases == {p.stem for p in (CONF_DIR / "split_case").glob("*.yaml")} == set(want)
