@@ -49,10 +49,10 @@ def test_a_swapped_acceptance_in_a_real_run_is_a_mismatch(make_cfg, monkeypatch)
     """A verification bug injected in the engine (the test's only): at one step the bonus token is the argmax's
     neighbour. The drafter's output leaves the baseline's there, and the replay of its tree row does not reproduce
     the token it emitted: a mismatch, not a near-tie."""
-    from specbench.decode import engine as engine_mod
+    from specbench.decode import verifier as verifier_mod  # (the target's half of the loop: its acceptance)
 
     Runner(make_cfg("drafter=none", "dataset.limit=1")).execute()
-    real, calls = engine_mod.greedy_accept_rows, {"n": 0}
+    real, calls = verifier_mod.greedy_accept_rows, {"n": 0}
 
     def buggy(tokens, parents, anc, target_argmax, valid=None):
         acc = real(tokens, parents, anc, target_argmax, valid)
@@ -61,7 +61,7 @@ def test_a_swapped_acceptance_in_a_real_run_is_a_mismatch(make_cfg, monkeypatch)
             return acc.__class__(acc.path, acc.length, (acc.next_token + 1) % 50, acc.recovered)
         return acc
 
-    monkeypatch.setattr(engine_mod, "greedy_accept_rows", buggy)
+    monkeypatch.setattr(verifier_mod, "greedy_accept_rows", buggy)
     run = Runner(make_cfg("drafter=pld", "dataset.limit=1")).execute()
     first = read_jsonl(run.records_path)[0]
     assert first["matches_baseline"] is False
@@ -103,11 +103,11 @@ def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(ma
     test's only) at one row's step of a batch: that row leaves its batched baseline, and the replays of both runs'
     batches capture the diverging row at the diverging position (each gives the target's token there, as the
     baseline emitted it): a mismatch, since the drafter's replayed row does not reproduce its run's token."""
-    from specbench.decode import engine as engine_mod
+    from specbench.decode import verifier as verifier_mod  # (the target's half of the loop: its acceptance)
 
     batch = ("decoding.batch_size=2",)
     base = Runner(make_cfg("drafter=none", *batch)).execute()
-    real, calls = engine_mod.greedy_accept_rows, {"n": 0}
+    real, calls = verifier_mod.greedy_accept_rows, {"n": 0}
 
     def buggy(tokens, parents, anc, target_argmax, valid=None):
         acc = real(tokens, parents, anc, target_argmax, valid)
@@ -118,7 +118,7 @@ def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(ma
             return acc.__class__(acc.path, acc.length, wrong, acc.recovered)
         return acc
 
-    monkeypatch.setattr(engine_mod, "greedy_accept_rows", buggy)
+    monkeypatch.setattr(verifier_mod, "greedy_accept_rows", buggy)
     run = Runner(make_cfg("drafter=pld", *batch)).execute()
     recs = read_jsonl(run.records_path)
     off = [r for r in recs if r["matches_baseline"] is False]
@@ -131,7 +131,7 @@ def test_a_batched_divergence_is_classified_on_replays_of_each_runs_own_batch(ma
     assert d["baseline"]["token"] == d["drafter"]["token"] == theirs != off[0]["new_token_ids"][j]
     # an altered baseline record (as another dtype's rounding might leave it) at a batched turn: the baseline's own
     # replay does not reproduce it
-    monkeypatch.setattr(engine_mod, "greedy_accept_rows", real)
+    monkeypatch.setattr(verifier_mod, "greedy_accept_rows", real)
     rows = read_jsonl(base.records_path)
     rows[0]["new_token_ids"][3] = (rows[0]["new_token_ids"][3] + 1) % 50
     base.records_path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
