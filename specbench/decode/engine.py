@@ -34,7 +34,7 @@ from specbench.decode.outcome import RowStep
 from specbench.decode.rows import Row, RowCounts, Rows
 from specbench.decode.target import TargetModel
 from specbench.decode.types import DraftTree, Lookahead, SamplingParams, TargetState
-from specbench.decode.verifier import LocalVerifier, layer_ids
+from specbench.decode.verifier import LocalVerifier, Prefilled, layer_ids
 
 
 @dataclass
@@ -139,25 +139,10 @@ class Engine:
 
     def _state(self, rows: Rows, hidden: torch.Tensor | None, fresh: RowCounts, verifier,
                layers: torch.Tensor | None, capacity: int, lookahead: Lookahead | None) -> TargetState:
-        """What the drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]; the
-        verifier gives them only to a drafter that reads them), the target's K/V, the EAGLE-3 layers."""
-        lengths = rows.prefix + 1
-        gens = tuple(r.generator for r in rows.live)
-        kv, kv_static = verifier.kv()
-        return TargetState(
-            tokens=rows.ids[:, : lengths.max()],
-            hidden=hidden,
-            kv=kv,
-            kv_static=kv_static,
-            layers=layers if LAYERS in self.drafter.needs else None,
-            sampling=self.sampling,
-            generator=gens[0] if len(gens) == 1 else None,
-            capacity=capacity,
-            lengths=lengths,
-            fresh=fresh,
-            generators=gens,
-            lookahead=lookahead,
-        )
+        """What the drafter reads of every live row (target_state), the EAGLE-3 layers only to a drafter that reads
+        them."""
+        return target_state(rows, hidden, fresh, verifier, layers=layers if LAYERS in self.drafter.needs else None,
+                            sampling=self.sampling, capacity=capacity, lookahead=lookahead)
 
     @staticmethod
     def _count_step(gen: Generation, step: RowStep, size: int) -> None:
@@ -208,7 +193,7 @@ class Engine:
         this batch's numerics: a batched matmul may round differently from a lone one); at T>0 each row samples with
         its own generator. `context` as in generate(). capture_at {row: k}: the logits row that chose row's new token k
         (the divergence replay, specbench/bench/divergence.py)."""
-        target, dev, devs, eos = self.target, self.target.device, self.target.devices, self.target.eos_token_ids
+        devs, eos = self.target.devices, self.target.eos_token_ids
         b = len(prompts)
         budgets = list(max_new_tokens) if isinstance(max_new_tokens, list) else [max_new_tokens] * b
         generators = list(generators) if generators is not None else [None] * b
@@ -220,19 +205,9 @@ class Engine:
         verifier = self.verifier_for(self.drafter)  # the target's half of every step (verifier.py)
         sync(devs)
         t0 = time.perf_counter()
-        # the positions a generation can reach: prompt, new tokens, and one tree past them before compaction
-        need = max(lens) + max(budgets) + TREE_ROOM
-        # bounded by the context plus room for one padded tree: every row writes the step's widest tree (padding
-        # included), so a row near the context still writes up to max tree nodes past it
-        pre = verifier.prefill(prompts, budgets, min(need, context + TREE_ROOM) if context else need, generators)
-        prompt_t, first, logits = pre.ids, pre.first, pre.logits
-        prefix = RowCounts.copy(lens, dev)  # [B] each row's cached entries: its prompt
-        # [B] the verified tokens at which each row has spent its budget (prompt + max_new_tokens)
-        limits = prefix + budgets[0] if len(set(budgets)) == 1 else RowCounts.copy(
-            [n + m for n, m in zip(lens, budgets)], dev)
-        ids = torch.zeros(b, need + 1, dtype=torch.long, device=dev)  # every row's verified tokens
-        ids[:, : prompt_t.shape[1]] = prompt_t
-        ids.scatter_(1, prefix.dev[:, None], first[:, None])  # the root behind each prompt
+        opened = open_rows(verifier, prompts, budgets, generators, context)
+        pre, ids, prefix, limits, need = opened.pre, opened.ids, opened.prefix, opened.limits, opened.need
+        first, logits = pre.first, pre.logits
         drafter = rows_protocol(self.drafter, b)
         # what the drafter stages for its first tree joins the prefill's read of the first tokens
         look = drafter.lookahead_rows(ids[:, : max(lens) + 1], prefix.dev + 1)
@@ -364,3 +339,46 @@ class Engine:
 def _keep(x: torch.Tensor | None, step) -> torch.Tensor | None:
     """The rows of x [A, ...] a leave keeps, in their new order."""
     return None if x is None else x.index_select(0, step.index_t)
+
+
+@dataclass
+class Opened:
+    """The rows after the target's prefill, as every decode loop starts them (Engine.generate_batch; a split's server,
+    specbench/deploy/server.py, opens its one row the same way)."""
+
+    pre: Prefilled
+    ids: torch.Tensor  # [B, need + 1] every row's verified tokens: its prompt, then its first new token (the root)
+    prefix: RowCounts  # [B] each row's cached entries: its prompt
+    limits: RowCounts  # [B] the verified tokens at which each row has spent its budget (prompt + max_new_tokens)
+    need: int  # the positions a generation can reach: prompt, new tokens, and one tree past them before compaction
+
+
+def open_rows(verifier, prompts: list[list[int]], budgets: list[int], generators: list[torch.Generator | None],
+              context: int | None) -> Opened:
+    """Prefill the prompts through the verifier and lay out each row's verified tokens, prefix and limit."""
+    lens = [len(p) for p in prompts]
+    need = max(lens) + max(budgets) + TREE_ROOM
+    # bounded by the context plus room for one padded tree: every row writes the step's widest tree (padding
+    # included), so a row near the context still writes up to max tree nodes past it
+    pre = verifier.prefill(prompts, budgets, min(need, context + TREE_ROOM) if context else need, generators)
+    dev = pre.first.device
+    prefix = RowCounts.copy(lens, dev)
+    limits = prefix + budgets[0] if len(set(budgets)) == 1 else RowCounts.copy(
+        [n + m for n, m in zip(lens, budgets)], dev)
+    ids = torch.zeros(len(prompts), need + 1, dtype=torch.long, device=dev)
+    ids[:, : pre.ids.shape[1]] = pre.ids
+    ids.scatter_(1, prefix.dev[:, None], pre.first[:, None])  # the root behind each prompt
+    return Opened(pre, ids, prefix, limits, need)
+
+
+def target_state(rows: Rows, hidden: torch.Tensor | None, fresh: RowCounts, verifier, *,
+                 layers: torch.Tensor | None = None, sampling: SamplingParams | None = None, capacity: int = 0,
+                 lookahead: Lookahead | None = None) -> TargetState:
+    """What a drafter reads of every live row: tokens, the hidden rows just written (row r's first fresh[r]; the
+    verifier gives them only to a drafter that reads them), the target's K/V, the EAGLE-3 layers."""
+    lengths = rows.prefix + 1
+    gens = tuple(r.generator for r in rows.live)
+    kv, kv_static = verifier.kv()
+    return TargetState(tokens=rows.ids[:, : lengths.max()], hidden=hidden, kv=kv, kv_static=kv_static, layers=layers,
+                       sampling=sampling or SamplingParams(), generator=gens[0] if len(gens) == 1 else None,
+                       capacity=capacity, lengths=lengths, fresh=fresh, generators=gens, lookahead=lookahead)

@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from specbench.decode.engine import TREE_ROOM, Generation
-from specbench.decode.rows import Row, RowCounts, Rows
+from specbench.decode.engine import Generation, open_rows, target_state
+from specbench.decode.rows import Row, Rows
 from specbench.decode.target import TargetModel
 from specbench.decode.types import DraftTree, SamplingParams, TargetState
-from specbench.decode.verifier import LocalVerifier
+from specbench.decode.verifier import LocalVerifier, layer_ids
 from specbench.deploy import protocol as P
 from specbench.deploy.errors import LinkDown, PeerGone, ProtocolError, Refused
 from specbench.deploy.link import LinkConfig, LinkedSocket, LinkModel
@@ -55,45 +55,32 @@ class SplitServer:
             budget, prompt = P.decode_prompt(payload)
             self.answer(conn, budget, prompt.tolist())
 
-    def _state(self, v: LocalVerifier, rows: Rows, hidden, fresh: RowCounts) -> TargetState:
-        """What the drafter would read here (its crossing's server half reads it)."""
-        kv, kv_static = v.kv()
-        lengths = rows.prefix + 1
-        return TargetState(tokens=rows.ids[:, : lengths.max()], hidden=hidden, kv=kv, kv_static=kv_static,
-                           lengths=lengths, fresh=fresh)
-
     def _rows(self, state: TargetState) -> list[torch.Tensor]:
         return [] if self.crossing.server is None else self.crossing.server(state)
 
     @torch.inference_mode()
     def answer(self, conn: Connection, budget: int, prompt: list[int]) -> None:
         """One prompt, step by step, as the engine's loop would verify it (the same LocalVerifier)."""
-        target, dev, eos = self.target, self.target.device, self.target.eos_token_ids
-        v = LocalVerifier(target, self.sampling, self.drafter.needs)
-        n, context = len(prompt), target.max_positions
-        need = n + budget + TREE_ROOM
-        pre = v.prefill([prompt], [budget], min(need, context + TREE_ROOM) if context else need, [None])
-        prefix = RowCounts.copy([n], dev)
-        ids = torch.zeros(1, need + 1, dtype=torch.long, device=dev)
-        ids[:, :n] = pre.ids
-        ids[:, n] = pre.first
-        rows = Rows([Row(0, Generation([], n, 0.0, 0.0), budget, None, None)], ids, prefix)
+        target = self.target
+        v = LocalVerifier(target, self.sampling, self.drafter.needs, layer_ids(self.drafter))
+        opened = open_rows(v, [prompt], [budget], [None], target.max_positions)  # as the engine opens its rows
+        pre, limits = opened.pre, opened.limits
+        rows = Rows([Row(0, Generation([], len(prompt), 0.0, 0.0), budget, None, None)], opened.ids, opened.prefix)
         first = int(pre.first[0])
-        acts = self._rows(self._state(v, rows, pre.hidden, prefix))
+        acts = self._rows(target_state(rows, pre.hidden, rows.prefix, v))
         conn.send(MsgType.PREFILL, P.encode_answer([first], acts, self.hello.needs, compress=True))
         times: list[float] = []
         left = budget - 1
-        if first in eos or left <= 0:
+        if first in target.eos_token_ids or left <= 0:
             conn.send(MsgType.TIMES, P.encode_times(times))
             return
-        limits = prefix + budget
         while True:
             _, payload = conn.expect(MsgType.TREE)
             t0 = time.perf_counter()
             msg = P.decode_tree(payload)
             m = len(msg.tokens)
             chain = bool((msg.parents == torch.arange(-1, m - 1)).all())
-            tree = DraftTree(msg.tokens[None].to(dev), msg.parents[None].to(dev), is_chain=chain)
+            tree = DraftTree(msg.tokens[None].to(target.device), msg.parents[None].to(target.device), is_chain=chain)
             step = v.verify(tree, rows, limits)
             fin = v.finish(step, rows, None)
             st = fin.read.rows[0]
@@ -101,7 +88,7 @@ class SplitServer:
             start = rows.prefix[0] + 1
             tokens = rows.ids[0, start : start + a]
             rows.prefix = rows.prefix + (fin.accepted + 1)
-            acts = self._rows(self._state(v, rows, fin.hidden, fin.accepted + 1))
+            acts = self._rows(target_state(rows, fin.hidden, fin.accepted + 1, v))
             body = P.encode_answer(tokens, acts, self.hello.needs)
             times.append(time.perf_counter() - t0)
             conn.send(MsgType.ANSWER, body)
