@@ -130,11 +130,9 @@ train-scaling: setup
 # MoA Table 2's tree (conf/experiment/train_scaling_tau.yaml); resumes (a decoded point is skipped). The trained name
 # eagle decodes as eagle2 (one head: the tree is the decoding's). `make figures` adds the τ to scaling.md.
 train-scaling-tau: setup
-	set -e; for d in $(SCALING_DRAFTERS); do dn=$$d; [ $$d = eagle ] && dn=eagle2; \
-		for ck in weights/$(MODEL)/$$d weights/$(MODEL)/scaling/*/$$d; do [ -d $$ck ] || continue; \
-			$(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=train_scaling_tau +preset=cpu drafter=$$dn \
-				drafter.checkpoint=$$ck $(ARGS); \
-		done; done
+	set -e; $(foreach d,$(SCALING_DRAFTERS),for ck in weights/$(MODEL)/$(d) weights/$(MODEL)/scaling/*/$(d); do \
+		[ -d $$ck ] || continue; $(BIN)/python -m specbench.run -m model=$(MODEL) +experiment=train_scaling_tau \
+		+preset=cpu drafter=$(if $(filter eagle,$(d)),eagle2,$(d)) drafter.checkpoint=$$ck $(ARGS); done;)
 
 # Peak training memory and step time vs simulated steps: Beagle's late stage vs HASS (results/trainmem/).
 trainmem: setup

@@ -93,7 +93,7 @@ NOT_CHECKED = {
     "cd": "a shell builtin (the clone's directory)",
 }
 # what a make recipe runs beside the commands above (make -n output only): file plumbing and shell builtins
-RECIPE_PLUMBING = {"set", "test", "touch", "rm", "cp", "mkdir", "exit", "true", "echo"}  # (and NAME=value)
+RECIPE_PLUMBING = {"set", "test", "[", "continue", "touch", "rm", "cp", "mkdir", "exit", "true", "echo"}  # (and NAME=value)
 WRAPPERS = {"timeout": 1, "nice": 0, "env": 0, "time": 0, "exec": 0}  # word -> positional arguments it takes
 SHELL_TAGS = {"bash", "sh", "shell", "console"}
 KNOWN_WORDS = {"make", "python", "python3", "torchrun", "sbatch", "bash", "sh", "hf", *NOT_CHECKED}

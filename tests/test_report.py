@@ -1,5 +1,6 @@
 """Experiments as Hydra sweeps (resumable, never mixing configs) and `make figures` from results/ alone."""
 import json
+import math
 import os
 import re
 import shutil
@@ -628,3 +629,40 @@ def test_the_training_curves_have_whole_epochs_and_the_legend_beside_the_panels(
     assert fig._suptitle.get_text().startswith("training: ")
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+def test_the_trend_line_its_error_and_where_the_gap_would_flip():
+    """Issue 79's reading: the gap per doubling is a least-squares slope in log2 n with its standard error (none from
+    two points), and the flip is where that line reaches 0 past the last n, or never where it moves away from 0."""
+    from specbench.bench.report.scaling import extrapolation, fit, flip
+
+    line = fit([200, 400, 800], [-0.10, -0.20, -0.30])  # exactly -0.1 per doubling
+    assert math.isclose(line.slope, -0.10) and math.isclose(line.se, 0.0, abs_tol=1e-12)
+    assert flip(line, 800) is None and extrapolation(line, 800) == "no flip: the gap moves away from 0 (nor at ±1 s.e.)"
+    closing = fit([200, 1600], [0.09, 0.03])  # -0.02 per doubling: 0 at 1600 · 2^1.5
+    assert closing.se is None and math.isclose(flip(closing, 1600), 1600 * 2 ** 1.5)
+    assert extrapolation(closing, 1600) == "flips near n ≈ 4,525 (two points: no error estimate)"
+    noisy = fit([200, 400, 800, 1600], [-0.30, -0.18, -0.22, -0.05])
+    assert noisy.se is not None and noisy.se > 0 and noisy.slope > 0
+    said = extrapolation(noisy, 1600)
+    assert said.startswith("flips near n ≈ ") and "at ±1 s.e.: n ≈ " in said
+
+
+def test_the_scaling_report_reads_each_ordering_as_a_gap_against_data(tmp_path):
+    """The trend table: per ORDERINGS pair the gap in measured τ (the mean over the datasets) at each n both decoded,
+    the slope per doubling and the extrapolation; a pair with one common n says so; a pair never decoded is left out."""
+    from specbench.bench.report.scaling import Measured, trend_table
+
+    def m(drafter, n, dataset, tau):
+        return Measured(drafter, n, 0, dataset, tau, True)
+
+    decoded = [m("eagle", 200, "gsm8k", 1.4), m("eagle", 200, "mtbench", 1.6), m("eagle", 1600, "gsm8k", 1.8),
+               m("eagle", 1600, "mtbench", 2.0), m("moa", 200, "gsm8k", 1.3), m("moa", 200, "mtbench", 1.5),
+               m("moa", 1600, "gsm8k", 1.5), m("moa", 1600, "mtbench", 1.5), m("moa_tli1", 1600, "gsm8k", 1.4),
+               m("moa_tli1", 1600, "mtbench", 1.4), m("hass", 200, "gsm8k", 1.5)]  # hass: one dataset only
+    lines = trend_table(decoded, [200, 1600], ["gsm8k", "mtbench"])
+    rows = [ln for ln in lines if ln.startswith("| moa") or ln.startswith("| hass") or ln.startswith("| eagle3")]
+    assert rows[0] == "| moa > eagle | -0.10 | -0.40 | -0.100 | no flip: the gap moves away from 0 (two points: no " \
+                      "error estimate) |"
+    assert rows[1] == "| moa_tli1 > moa | – | -0.10 | – | one point |"
+    assert len(rows) == 2  # hass lacks MT-Bench, eagle3 was never decoded

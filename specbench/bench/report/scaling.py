@@ -6,10 +6,15 @@ is the committed weights' run, results/training/<model>/<drafter>/log.jsonl, at 
 scaling points' config.json: train.conversations).
 Measured τ (`make train-scaling-tau`): results/train_scaling_tau/<run>/{run.json,summary.json}, each run's point read
 back from its drafter.checkpoint (weights/<model>/scaling/<point>/<drafter>, or weights/<model>/<drafter>: the 1x
-point)."""
+point).
+The trend table reads each ordering the papers claim and this budget reverses (ORDERINGS) as the gap in measured τ,
+the method's less the other's (the mean over the decoded datasets), against log2 of the conversations: a least-squares
+line gives the change per doubling, its standard error, and where the gap's sign would flip if the line held, an
+extrapolation said as one."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from dataclasses import dataclass
@@ -19,6 +24,9 @@ from specbench.bench.report import style
 from specbench.core.records import read_jsonl
 
 POINT = re.compile(r"^n(?P<n>\d+)(?:_seed(?P<seed>\d+))?$")
+# (the method, the one its paper puts it above): MoA > EAGLE-2, EAGLE-3 > EAGLE-2, HASS > EAGLE-2, TLI 1 > TLI 0. `eagle`
+# is the head `eagle2` decodes.
+ORDERINGS = (("moa", "eagle"), ("eagle3", "eagle"), ("hass", "eagle"), ("moa_tli1", "moa"))
 CHECKPOINT = re.compile(r"(?:^|/)(?:scaling/(?P<point>n\d+(?:_seed\d+)?)/)?(?P<drafter>[^/]+)/?$")
 
 
@@ -63,6 +71,57 @@ def _lossless(record: dict | bool | None) -> bool | None:
     return record.get("rate") == 1.0 if isinstance(record, dict) else record
 
 
+@dataclass(frozen=True)
+class Line:
+    """gap = intercept + slope · log2(n), by least squares."""
+
+    slope: float  # per doubling of the conversations
+    intercept: float
+    se: float | None  # the slope's standard error; None with two points (no residual left)
+
+    def at(self, n: float) -> float:
+        return self.intercept + self.slope * math.log2(n)
+
+
+def fit(ns: list[int], gaps: list[float]) -> Line:
+    """The least-squares line through (log2 n, gap); at least two distinct n."""
+    xs = [math.log2(n) for n in ns]
+    mx, my = statistics.fmean(xs), statistics.fmean(gaps)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, gaps, strict=True)) / sxx
+    intercept = my - slope * mx
+    if len(xs) < 3:
+        return Line(slope, intercept, None)
+    rss = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, gaps, strict=True))
+    return Line(slope, intercept, math.sqrt(rss / (len(xs) - 2) / sxx))
+
+
+def flip(line: Line, last_n: int) -> float | None:
+    """The n past `last_n` at which the line's gap reaches 0, or None where it moves away from 0 (or is flat)."""
+    gap = line.at(last_n)
+    if line.slope == 0 or gap * line.slope >= 0:
+        return None
+    return last_n * 2 ** (-gap / line.slope)
+
+
+def extrapolation(line: Line, last_n: int) -> str:
+    """Where the gap's sign would flip if the line held, and where at the slope ± one standard error."""
+    def said(n: float | None) -> str:
+        return "never" if n is None else f"n ≈ {n:,.0f}" if n < 1e7 else "n > 10,000,000"
+
+    at = flip(line, last_n)
+    head = f"flips near {said(at)}" if at else "no flip: the gap moves away from 0"
+    if line.se is None:
+        return head + " (two points: no error estimate)"
+    gap = line.at(last_n)
+    ends = sorted((flip(Line(s, gap - s * math.log2(last_n), None), last_n) for s in (line.slope - line.se,
+                                                                                      line.slope + line.se)),
+                  key=lambda n: math.inf if n is None else n)
+    if ends == [None, None]:
+        return head + (" (nor at ±1 s.e.)" if at is None else " (never at ±1 s.e.)")
+    return head + f" (at ±1 s.e.: {said(ends[0])} to {said(ends[1])})"
+
+
 def _mean_spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (max(values) - min(values)) / 2
 
@@ -89,6 +148,36 @@ def points(root: Path, training: Path, model: str) -> list[Point]:
         if full.is_file() and (val := last_val(full)) is not None:
             out.append(Point(drafter, n, 0, val["sim_tau"], val["alpha"][0]))
     return out
+
+
+def trend_table(decoded: list[Measured], sizes: list[int], datasets: list[str]) -> list[str]:
+    """The ORDERINGS' gaps in measured τ per n, the line through them and its extrapolation -> markdown lines."""
+    def tau(drafter: str, n: int) -> float | None:  # the mean over the datasets of the seeds' mean; all datasets
+        per = [[t.tau for t in decoded if (t.drafter, t.conversations, t.dataset) == (drafter, n, d)] for d in datasets]
+        return statistics.fmean(statistics.fmean(v) for v in per) if all(per) else None
+
+    rows = []
+    for method, other in ORDERINGS:
+        gaps = {n: a - b for n in sizes if (a := tau(method, n)) is not None and (b := tau(other, n)) is not None}
+        if not gaps:
+            continue
+        cells = [f"{gaps[n]:+.2f}" if n in gaps else "–" for n in sizes]
+        if len(gaps) > 1:
+            line = fit(list(gaps), list(gaps.values()))
+            per = f"{line.slope:+.3f}" + (f" ± {line.se:.3f}" if line.se is not None else "")
+            said = extrapolation(line, max(gaps))
+        else:
+            per, said = "–", "one point"
+        rows.append(f"| {method} > {other} | " + " | ".join(cells) + f" | {per} | {said} |")
+    if not rows:
+        return []
+    names = " and ".join(style.dataset_name(d) for d in datasets)
+    return ["", f"**The papers' orderings against data: the gap in measured τ (the method's less the other's, the mean "
+            f"of {names}) at each n, its change per doubling of the conversations (a least-squares line in log2 n, ± "
+            f"the slope's standard error), and the n at which its sign would flip if that line held: an "
+            f"extrapolation, not a measurement. `eagle` is the head `eagle2` decodes.**", "",
+            "| ordering (the paper's) | " + " | ".join(f"{n} conv." for n in sizes) + " | per doubling | if the line "
+            "held |", "|---|" + "---|" * len(sizes) + "---|---|", *rows]
 
 
 def train_scaling(root: Path, training: Path) -> list[Path]:
@@ -160,6 +249,7 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
                 axes[0][i].set_xlabel("training conversations (log scale)")
                 axes[0][i].set_ylabel("measured τ")
                 axes[0][i].set_title(f"measured τ, {style.dataset_name(dataset)}")
+            md += trend_table(decoded, sizes, datasets)
         fig.suptitle(f"train_scaling: τ against training data ({model_dir.name})")
         style.save(fig, model_dir / "scaling.png")
         (model_dir / "scaling.md").write_text("\n".join(md) + "\n")
