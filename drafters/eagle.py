@@ -55,7 +55,7 @@ from specbench.decode.drafter import HIDDEN, TrainableDrafter
 from drafters.distill import soft_ce, teacher_probs, top1
 from drafters.layers import one_layer_decoder
 from drafters.trees import Grown, chain_alone, grow_by_features, make_tree
-from specbench.decode.checkpoints import authors_config, check_authors_config, copy_state, read_state, resolve
+from specbench.decode.checkpoints import authors_config, check_authors_config, copy_state, read_state
 from specbench.decode.compiled import decode
 from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.rows import RowCounts
@@ -215,11 +215,8 @@ class EagleDrafter(CachedRows, TrainableDrafter):
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
-    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
-        """The project's checkpoints, or a head published in the authors' layout (detected from its files)."""
-        if checkpoint and is_authors_layout(resolve(checkpoint)):
-            return load_authors_head(resolve(checkpoint), target).eval().requires_grad_(False)
-        return super().load_module(target, checkpoint, options)
+    def load_published(cls, target, path: Path, options: dict) -> nn.Module | None:
+        return load_authors_head(path, target) if is_authors_layout(path) else None
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:

@@ -58,7 +58,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from drafters.trees import Grown, grow_by_features, make_tree
-from specbench.decode.checkpoints import authors_config, copy_state, read_state, resolve, rope_theta
+from specbench.decode.checkpoints import authors_config, copy_state, read_state, rope_theta
 from specbench.decode.compiled import Region
 from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.drafter import LAYERS, TrainableDrafter
@@ -394,11 +394,8 @@ class Eagle3Drafter(CachedRows, TrainableDrafter):
 
     # ---- module ---------------------------------------------------------------------------------------------------
     @classmethod
-    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
-        """The project's checkpoints, or a head published in the authors' layout (detected from its files)."""
-        if checkpoint and is_authors_layout(resolve(checkpoint)):
-            return load_authors_eagle3(resolve(checkpoint), target).eval().requires_grad_(False)
-        return super().load_module(target, checkpoint, options)
+    def load_published(cls, target, path: Path, options: dict) -> nn.Module | None:
+        return load_authors_eagle3(path, target) if is_authors_layout(path) else None
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:

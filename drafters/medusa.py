@@ -161,11 +161,9 @@ class MedusaDrafter(RowsDrafter, TrainableDrafter):
 
     # ---- training side -------------------------------------------------------------------------------------------
     @classmethod
-    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
-        """The project's checkpoints, or Medusa-1 heads in their authors' layout (`medusa_lm_head.pt`)."""
-        if checkpoint and (resolve(checkpoint) / "medusa_lm_head.pt").is_file():
-            return load_authors_medusa(resolve(checkpoint), target).eval().requires_grad_(False)
-        return super().load_module(target, checkpoint, options)
+    def load_published(cls, target, path: Path, options: dict) -> nn.Module | None:
+        """Medusa-1 heads in their authors' layout (`medusa_lm_head.pt`)."""
+        return load_authors_medusa(path, target) if (path / "medusa_lm_head.pt").is_file() else None
 
     @classmethod
     def build_module(cls, target, opts: MedusaOptions) -> MedusaHeads:

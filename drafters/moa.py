@@ -79,8 +79,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Cache
 
-from specbench.decode.checkpoints import (authors_config, check_authors_config, copy_state, read_state, resolve,
-                                          rope_theta)
+from specbench.decode.checkpoints import authors_config, check_authors_config, copy_state, read_state, rope_theta
 from specbench.decode.compiled import Region
 from specbench.decode.draftcache import CachedRows, CompiledTree, DraftCache
 from specbench.decode.drafter import KV, TrainableDrafter, chain_paths
@@ -340,12 +339,9 @@ class MoADrafter(CachedRows, TrainableDrafter):
         return opts
 
     @classmethod
-    def load_module(cls, target, checkpoint: str | None, options: dict | None) -> nn.Module:
-        """The project's checkpoints, or the authors' published layout (a target config.json beside `Ekv2E.*`)."""
-        if checkpoint and is_authors_layout(resolve(checkpoint)):
-            tli = int((options or {}).get("tli", 0))  # their checkpoint does not record it: the YAML's
-            return load_authors_moa(resolve(checkpoint), target, tli).eval().requires_grad_(False)
-        return super().load_module(target, checkpoint, options)
+    def load_published(cls, target, path: Path, options: dict) -> nn.Module | None:
+        """The authors' layout: a target config.json beside `Ekv2E.*`; TLI, which it does not record, from the YAML."""
+        return load_authors_moa(path, target, int(options.get("tli", 0))) if is_authors_layout(path) else None
 
     # ---- training side -------------------------------------------------------------------------------------------
     @staticmethod

@@ -31,6 +31,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from specbench.decode.rows import Leave
@@ -247,10 +249,12 @@ class TrainableDrafter(Drafter):
         Training keeps fp32 masters: it builds its module with `build_module`, not here."""
         from pathlib import Path
 
-        from specbench.decode.checkpoints import load_checkpoint, read_meta
+        from specbench.decode.checkpoints import load_checkpoint, read_meta, resolve
         from specbench.errors import SpecbenchError
 
         options = dict(options or {})
+        if checkpoint and (published := cls.load_published(target, resolve(checkpoint), options)) is not None:
+            return published.eval().requires_grad_(False)
         if checkpoint:
             meta = read_meta(Path(checkpoint))
             if "drafter" not in meta:  # another project's layout this method does not read (e.g. MoA's published one)
@@ -263,6 +267,12 @@ class TrainableDrafter(Drafter):
         if checkpoint:
             load_checkpoint(Path(checkpoint), module, target, cls.name)
         return module.to(target.dtype).eval().requires_grad_(False)
+
+    @classmethod
+    def load_published(cls, target, path: Path, options: dict) -> torch.nn.Module | None:
+        """The module of a checkpoint in its method's authors' published layout (read from its own files), or None
+        where `path` is not one (the project's checkpoints: load_module reads those)."""
+        return None
 
     @classmethod
     def decoding_options(cls, options: dict) -> dict:
