@@ -249,6 +249,7 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
                 axes[0][i].set_xlabel("training conversations (log scale)")
                 axes[0][i].set_ylabel("measured τ")
                 axes[0][i].set_title(f"measured τ, {style.dataset_name(dataset)}")
+            axes[0][-1].legend()  # the decoded methods (moa_tli1 has no validation line in the first panel)
             md += trend_table(decoded, sizes, datasets)
         fig.suptitle(f"train_scaling: τ against training data ({model_dir.name})")
         style.save(fig, model_dir / "scaling.png")
