@@ -86,13 +86,11 @@ class Line:
 def fit(ns: list[int], gaps: list[float]) -> Line:
     """The least-squares line through (log2 n, gap); at least two distinct n."""
     xs = [math.log2(n) for n in ns]
-    mx, my = statistics.fmean(xs), statistics.fmean(gaps)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, gaps, strict=True)) / sxx
-    intercept = my - slope * mx
+    slope, intercept = statistics.linear_regression(xs, gaps)
     if len(xs) < 3:
         return Line(slope, intercept, None)
     rss = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, gaps, strict=True))
+    sxx = sum((x - statistics.fmean(xs)) ** 2 for x in xs)
     return Line(slope, intercept, math.sqrt(rss / (len(xs) - 2) / sxx))
 
 
