@@ -189,6 +189,8 @@ def test_a_job_stopped_half_way_resumes_from_the_turns_on_disk(tmp_path, tiny_ch
             slurm("scontrol", "requeue", job)
             out, _ = driver.communicate(timeout=600)
             assert driver.returncode == 0, out[-3000:]
+            # (the submitter can read the results before slurmdbd records the job's end: wait for it, briefly)
+            wait_for(lambda: states(job)[-1] != "RUNNING", 30, f"job {job}'s accounting to record its end", every=1.0)
             assert states(job)[0] == "REQUEUED" and states(job)[-1] == "COMPLETED"
     finally:
         if driver.poll() is None:
