@@ -111,9 +111,10 @@ perf-drafters: setup
 
 # The data-scaling experiment (issue 79): each of SCALING_DRAFTERS trained on the budget's recipe with only the first
 # n of its conversations, n in SCALING_SUBSETS (the same held-out set, answers, epochs and schedule shape; SEED for the
-# seed spread), cheapest points first; each point its own checkpoint directory (resumes), its log copied to
-# results/train_scaling/$(MODEL)/<drafter>/n<n>[_seed<s>]/ (with its config.json: the command and commit) and its
-# weights to weights/$(MODEL)/scaling/. The 1x point is the committed weights (results/training/). make figures draws it.
+# seed spread; n above the budget's 1600, e.g. the 2x point 3200: its own and the next ones after the held-out set, the
+# target's answers for those generated once and added to the shipped weights/$(MODEL)/answers.jsonl), cheapest first;
+# each point its own checkpoint directory (resumes), its log copied to results/train_scaling/$(MODEL)/<drafter>/
+# n<n>[_seed<s>]/ (with its config.json: the command and commit) and its weights to weights/$(MODEL)/scaling/. The 1x point is the committed weights (results/training/). make figures draws it.
 SCALING_DRAFTERS ?= eagle eagle3 hass moa
 SCALING_SUBSETS ?= 200 400 800
 SEED ?= 0

@@ -493,12 +493,14 @@ def test_the_scaling_table_reads_each_point_its_seeds_and_the_committed_1x_run(t
     point(root / "train_scaling" / "m" / "eagle" / "n200_seed1", [1.15, 1.30])
     point(root / "train_scaling" / "m" / "eagle" / "n400", [1.35], final=False)  # still training
     point(root / "train_scaling" / "m" / "moa" / "n200", [1.05, 1.08])
+    point(root / "train_scaling" / "m" / "eagle" / "n3200", [1.45, 1.60])  # 2x: above the budget
     point(root / "training" / "m" / "eagle", [1.40, 1.50])
     report(root)
     table = (root / "train_scaling" / "m" / "scaling.md").read_text()
-    assert "| method | 200 conv. sim τ (0-α) | 1600 conv. sim τ (0-α) |" in table
-    assert "| eagle | 1.250 ± 0.050 (0.25) | 1.500 (0.50) |" in table
-    assert "| moa | 1.080 (0.08) | – |" in table  # no committed moa run under results/training/m
+    assert "| method | 200 conv. sim τ (0-α) | 1600 conv. sim τ (0-α) | 3200 conv. sim τ (0-α) |" in table
+    assert "| eagle | 1.250 ± 0.050 (0.25) | 1.500 (0.50) | 1.600 (0.60) |" in table
+    assert "| moa | 1.080 (0.08) | – | – |" in table  # no committed moa run under results/training/m
+    assert "the next ones after its held-out set" in table and "the 1600 point is the committed weights' run" in table
     assert (root / "train_scaling" / "m" / "scaling.png").is_file()
 
 

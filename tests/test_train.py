@@ -737,5 +737,41 @@ def test_a_subset_trains_on_the_first_conversations_and_validates_on_the_budgets
     a, b = (list(v.index()) for v in val_sets)
     assert [v.load(*i)["input_ids"].tolist() for v, i in ((val_sets[0], x) for x in a)] == \
         [v.load(*i)["input_ids"].tolist() for v, i in ((val_sets[1], x) for x in b)]
-    with pytest.raises(SpecbenchError, match="train.subset=11 must be between 1 and train.conversations=10"):
+    with pytest.raises(SpecbenchError, match="train.subset=0 must be at least 1"):
+        Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.subset": 0})))
+    with pytest.raises(SpecbenchError, match="only 13 usable conversations, 14 asked for"):  # before the target loads
         Trainer(make_cfg("drafter=medusa", *train_overrides(tmp_path, sharegpt_file, **{"train.subset": 11})))
+
+
+def test_a_subset_above_the_budget_adds_the_conversations_after_its_held_out_ones_and_grows_the_shipped_answers(
+        make_cfg, tmp_path, sharegpt_file, monkeypatch):
+    """The data-scaling experiment's 2x point: train.subset=8 of a 6-conversation budget trains on the budget's 6
+    and the 2 after its 3 held-out ones (c9, c10), validates on the same c6..c8, starts from the 6 shipped answers
+    (generating only the 2 new ones) and grows the shipped file to 8 rows, the first 6 unchanged."""
+    from specbench.core.config import TrainConfig
+    from specbench.train.trainer import budget_conversations, prepare_features
+
+    base = TrainConfig(conversations=6, val_conversations=3, data_path=str(sharegpt_file))
+    ids = lambda convs: [c.conv_id for c in convs]  # noqa: E731
+    assert [ids(x) for x in budget_conversations(base)] == [[f"c{i}" for i in range(6)], ["c6", "c7", "c8"]]
+    assert ids(budget_conversations(TrainConfig(**{**vars(base), "subset": 4}))[0]) == ["c0", "c1", "c2", "c3"]
+    train, val = budget_conversations(TrainConfig(**{**vars(base), "subset": 8}))
+    assert ids(train) == [f"c{i}" for i in range(6)] + ["c9", "c10"] and ids(val) == ["c6", "c7", "c8"]
+
+    over = train_overrides(tmp_path, sharegpt_file, **{"train.answers": "target", "train.answer_tokens": 16,
+                                                       "train.conversations": 6})
+    whole = Trainer(make_cfg("drafter=sd", *over))
+    prepare_features(whole.target, whole.tc, whole.model_cfg, False, 0)
+    shipped = tmp_path / "shipped" / "answers.jsonl"
+    six = shipped.read_text()
+    assert len(six.splitlines()) == 6
+    more = Trainer(make_cfg("drafter=sd", *over, "train.subset=8"))
+    calls = []
+    generate = more.target.model.generate
+    monkeypatch.setattr(more.target.model, "generate", lambda **k: calls.append(len(k["input_ids"])) or generate(**k))
+    train_set, val_set = prepare_features(more.target, more.tc, more.model_cfg, False, 0)
+    assert calls[0] == 2 and train_set.manifest["count"] == 8  # (then the held-out answers, one at a time)
+    assert shipped.read_text().startswith(six) and len(shipped.read_text().splitlines()) == 8
+    assert json.loads(shipped.with_suffix(".json").read_text())["rows"] == 8
+    rows = read_done(shipped)
+    assert [rows[i].conv_id for i in (6, 7)] == ["c9", "c10"]

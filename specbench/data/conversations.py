@@ -83,7 +83,7 @@ def load_conversations(path: Path | None, train: int, val: int) -> tuple[list[Co
             if len(out) == train + val:
                 break
     if len(out) < train + val:
-        raise SpecbenchError(f"{path}: only {len(out)} usable conversations, {train} + {val} asked for")
+        raise SpecbenchError(f"{path}: only {len(out)} usable conversations, {train + val} asked for")
     return out[:train], out[train:]
 
 

@@ -39,7 +39,7 @@ from specbench.decode.drafter import KV, LAYERS, TrainableDrafter
 from specbench.core import envinfo
 from specbench.decode.checkpoints import load_checkpoint, read_meta, save_checkpoint, target_fingerprint, target_identity
 from specbench.core.config import ModelConfig, TrainConfig, register_schema, to_dataclass
-from specbench.data.conversations import Encoded, encode, load_conversations
+from specbench.data.conversations import Conversation, Encoded, encode, load_conversations
 from specbench.decode.engine import Engine
 from specbench.errors import SpecbenchError
 from specbench.train.features import FeatureSet, extract, online_kv, online_layers, token_counts
@@ -182,9 +182,21 @@ def answers_meta(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig) 
 
 
 def check_subset(cfg: TrainConfig) -> int | None:
-    if cfg.subset is not None and not 1 <= cfg.subset <= cfg.conversations:
-        raise SpecbenchError(f"train.subset={cfg.subset} must be between 1 and train.conversations={cfg.conversations}")
+    if cfg.subset is not None and cfg.subset < 1:
+        raise SpecbenchError(f"train.subset={cfg.subset} must be at least 1")
     return cfg.subset
+
+
+def budget_conversations(cfg: TrainConfig) -> tuple[list[Conversation], list[Conversation]]:
+    """A budget's training conversations and its held-out ones. With train.subset=n the first n training ones: below
+    train.conversations a prefix; above it (the 2x point of the data-scaling experiment) the budget's own followed by
+    the next ones after its held-out set, so that every point of the experiment validates on the same conversations
+    and shares the budget's answers for its first ones."""
+    path = Path(cfg.data_path).expanduser() if cfg.data_path else None
+    n = check_subset(cfg) or cfg.conversations
+    convs, _ = load_conversations(path, max(n, cfg.conversations) + cfg.val_conversations, 0)
+    held = cfg.conversations + cfg.val_conversations
+    return (convs[:cfg.conversations] + convs[held:])[:n], convs[cfg.conversations:held]
 
 
 def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, root: Path, rank: int = 0,
@@ -192,10 +204,7 @@ def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: Mod
     """The budget's training conversations encoded (input ids, answer mask), and its held-out ones (not encoded).
     With train.answers=target the answers are the target's own, generated once into `root` (resumable; under
     torchrun rank r answers conversations i = r mod world)."""
-    path = Path(cfg.data_path).expanduser() if cfg.data_path else None
-    train_convs, val_convs = load_conversations(path, cfg.conversations, cfg.val_conversations)
-    if cfg.subset is not None:  # a prefix: the same first conversations, the budget's held-out ones
-        train_convs = train_convs[:check_subset(cfg)]
+    train_convs, val_convs = budget_conversations(cfg)
     if cfg.answers != "target":
         return [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))], \
             val_convs
@@ -456,7 +465,7 @@ class Trainer:
         check_noise(self.tc.noise)
         if self.tc.grad_clip_mode not in ("value", "norm"):
             raise SpecbenchError(f"train.grad_clip_mode={self.tc.grad_clip_mode!r} is not one of value, norm")
-        check_subset(self.tc)
+        budget_conversations(self.tc)  # a bad train.subset, or too few conversations for it, before the target loads
         self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
         self.cls = get_class(cfg.drafter._target_)
         if not (isinstance(self.cls, type) and issubclass(self.cls, TrainableDrafter)):

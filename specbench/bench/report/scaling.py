@@ -1,8 +1,9 @@
 """The data-scaling experiment's table and figure (`make train-scaling`, issue 79): validation sim τ against the number
 of training conversations, one line per method, the seed spread where a point was trained with several seeds.
 
-Points: results/train_scaling/<model>/<drafter>/n<subset>[_seed<s>]/{log.jsonl,config.json}; the whole budget (1x)
-is the committed weights' run, results/training/<model>/<drafter>/log.jsonl, at the budget's conversation count (its
+Points: results/train_scaling/<model>/<drafter>/n<subset>[_seed<s>]/{log.jsonl,config.json} (a subset above the
+budget's count: its conversations and the next ones after its held-out set); the whole budget (1x) is the committed
+weights' run, results/training/<model>/<drafter>/log.jsonl, at the budget's conversation count (its
 scaling points' config.json: train.conversations).
 Measured τ (`make train-scaling-tau`): results/train_scaling_tau/<run>/{run.json,summary.json}, each run's point read
 back from its drafter.checkpoint (weights/<model>/scaling/<point>/<drafter>, or weights/<model>/<drafter>: the 1x
@@ -193,9 +194,11 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
         datasets = sorted({t.dataset for t in decoded})
         sizes = sorted({p.conversations for p in pts} | {t.conversations for t in decoded})
         head = "| method | " + " | ".join(f"{n} conv. sim τ (0-α)" for n in sizes) + " |"
+        above = " (above it, the budget's and the next ones after its held-out set)" if sizes[-1] > budget else ""
         md = [f"**Validation simulated τ (and first-position acceptance) against training conversations, model "
-              f"{model_dir.name}: the budget's recipe on its first n conversations, the same held-out set; the "
-              f"largest n is the committed weights' run. a ± b: mean ± spread (max - min) / 2 over seeds.**", "",
+              f"{model_dir.name}: the budget's recipe on its first n conversations{above}, the same held-out set; "
+              f"the {budget} point is the committed weights' run. a ± b: mean ± spread (max - min) / 2 over seeds.**",
+              "",
               head, "|---|" + "---|" * len(sizes)]
         fig, axes = style.subplots(1, 1 + len(datasets), figsize=(6 + 4 * len(datasets), 4), squeeze=False)
         ax = axes[0][0]
@@ -223,7 +226,7 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
         if decoded:
             md += ["", f"**Measured τ against training conversations, model {model_dir.name}: each point's weights "
                    f"decoded at MoA Table 2's tree (depth 6, top-k 8, 62 drafted nodes), T = 0, the cpu preset's "
-                   f"questions (`make train-scaling-tau`); the largest n is the committed weights. a ± b over seeds; "
+                   f"questions (`make train-scaling-tau`); the {budget} point is the committed weights. a ± b over seeds; "
                    f"every decode lossless unless marked.**", "",
                    "| method | dataset | " + " | ".join(f"{n} conv." for n in sizes) + " |",
                    "|---|---|" + "---|" * len(sizes)]
