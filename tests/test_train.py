@@ -772,6 +772,7 @@ def test_a_subset_above_the_budget_adds_the_conversations_after_its_held_out_one
     train_set, val_set = prepare_features(more.target, more.tc, more.model_cfg, False, 0)
     assert calls[0] == 2 and train_set.manifest["count"] == 8  # (then the held-out answers, one at a time)
     assert shipped.read_text().startswith(six) and len(shipped.read_text().splitlines()) == 8
-    assert json.loads(shipped.with_suffix(".json").read_text())["rows"] == 8
+    desc = json.loads(shipped.with_suffix(".json").read_text())
+    assert desc["rows"] == 8 and desc["added"][0]["rows"] == "6-7" and desc["conversations"] == 6
     rows = read_done(shipped)
     assert [rows[i].conv_id for i in (6, 7)] == ["c9", "c10"]

@@ -132,16 +132,18 @@ def ship_answers(src: Path, out: Path, meta: dict) -> Path | None:
     """A finished answers cache copied to `out` (the model's weights folder), with its description, for the next
     machine to seed from. A shipped copy is never overwritten, only grown: by a cache for the same target and settings
     (`meta`) that holds every shipped row unchanged and more (train.subset above the budget's conversations)."""
-    rows = read_done(src)
+    rows, desc = read_done(src), {**meta}
     if out.exists():
-        desc = json.loads(shipped_meta(out).read_text()) if shipped_meta(out).is_file() else {}
-        old = read_done(out)
+        old, desc = read_done(out), json.loads(shipped_meta(out).read_text()) if shipped_meta(out).is_file() else {}
         if len(rows) <= len(old) or any(desc.get(k) != v for k, v in meta.items() if k not in ("git", "date")) \
                 or any(rows.get(i) != e for i, e in old.items()):
             return None
+        # the first rows keep their provenance; the growth is recorded beside it
+        desc["added"] = [*desc.get("added", []), {"rows": f"{len(old)}-{len(rows) - 1}", "git": meta.get("git"),
+                                                   "date": meta.get("date")}]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text("".join(row_json(i, e) for i, e in sorted(rows.items())), encoding="utf-8")
-    shipped_meta(out).write_text(json.dumps({**meta, "rows": len(rows)}, indent=1, sort_keys=True) + "\n")
+    shipped_meta(out).write_text(json.dumps({**desc, "rows": len(rows)}, indent=1, sort_keys=True) + "\n")
     tmp.rename(out)
     return out
