@@ -776,3 +776,8 @@ def test_a_subset_above_the_budget_adds_the_conversations_after_its_held_out_one
     assert desc["rows"] == 8 and desc["added"][0]["rows"] == "6-7" and desc["conversations"] == 6
     rows = read_done(shipped)
     assert [rows[i].conv_id for i in (6, 7)] == ["c9", "c10"]
+    # the whole budget on another machine (features cache) seeds its 6 from the grown file and generates nothing
+    again = Trainer(make_cfg("drafter=sd", *over, f"train.features_dir={tmp_path / 'features2'}"))
+    monkeypatch.setattr(again.target.model, "generate", lambda **k: pytest.fail("the answers were generated again"))
+    prepare_features(again.target, again.tc, again.model_cfg, False, 0)
+    assert next((tmp_path / "features2").rglob("answers.jsonl")).read_text() == six
