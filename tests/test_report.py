@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from specbench.core.records import read_jsonl
-from specbench.bench.report.cells import MISSING, Setting, Table, below_one, load_failures, load_runs, render, tree_of
+from specbench.bench.report.cells import MISSING, Setting, Table, below_one, cell, load_failures, load_runs, render, tree_of
 from specbench.bench.report.experiments import predicted_speedup
 from specbench.bench.report.figures import curve_label
 from specbench.bench.report.main import report
@@ -147,6 +147,15 @@ def test_caption_names_each_drafters_tree():
     # every paper table names the paper's tree
     assert all(t.paper_tree for exp in ("beagle_table1", "coral_table2", "moa_table2", "eagle_alpha")
                for t in experiment_report(exp)[0] if t.name != "router")
+
+
+def test_the_lossless_column_counts_the_turns_equal_to_the_baseline():
+    """`lossless` (the H100 table's column): matches/compared from a run's summary; the baseline (nothing compared)
+    and a run without the check read as missing, not 0/0."""
+    assert cell({"drafter": "pld", "lossless": {"compared": 6, "matches": 0, "rate": 0.0}}, "lossless") == "0/6"
+    assert cell({"drafter": "none", "lossless": {"compared": 0, "matches": 0, "rate": None}}, "lossless") == MISSING
+    assert cell({"drafter": "hass"}, "lossless") == MISSING
+    assert experiment_report("h100")[0][0].metrics[-1] == "lossless"
 
 
 def test_a_table_from_two_devices_says_so():

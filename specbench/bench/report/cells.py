@@ -39,6 +39,9 @@ METRICS = {
     "mem": ("M (GiB)", lambda s: s["peak_mem_bytes"] / 2**30 if s.get("peak_mem_bytes") else None, "{:.2f}"),
     "draft_ms": ("Td ms/step", lambda s: s["draft_ms_per_step"], "{:.1f}"),
     "verify_ms": ("Tv ms/step", lambda s: s["verify_ms_per_step"], "{:.1f}"),
+    # turns equal to the baseline's output (T=0) out of those compared; none for the baseline itself
+    "lossless": ("lossless", lambda s: f"{s['lossless']['matches']}/{s['lossless']['compared']}"
+                 if s["lossless"]["compared"] else None, "{}"),
     **{f"a{i}": (f"{i}-α", (lambda i: lambda s: _at(s.get("alpha"), i))(i), "{:.2f}") for i in range(5)},
 }
 
