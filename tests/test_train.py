@@ -769,7 +769,10 @@ def test_a_subset_above_the_budget_adds_the_conversations_after_its_held_out_one
     calls = []
     generate = more.target.model.generate
     monkeypatch.setattr(more.target.model, "generate", lambda **k: calls.append(len(k["input_ids"])) or generate(**k))
-    train_set, val_set = prepare_features(more.target, more.tc, more.model_cfg, False, 0)
+    # the Trainer's own split (read before the target loaded) is not parsed again
+    monkeypatch.setattr("specbench.train.trainer.load_conversations", lambda *a: pytest.fail("parsed again"))
+    train_set, val_set = prepare_features(more.target, more.tc, more.model_cfg, False, 0, convs=more.convs)
+    monkeypatch.undo()
     assert calls[0] == 2 and train_set.manifest["count"] == 8  # (then the held-out answers, one at a time)
     assert shipped.read_text().startswith(six) and len(shipped.read_text().splitlines()) == 8
     desc = json.loads(shipped.with_suffix(".json").read_text())

@@ -200,11 +200,13 @@ def budget_conversations(cfg: TrainConfig) -> tuple[list[Conversation], list[Con
 
 
 def training_conversations(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, root: Path, rank: int = 0,
-                           world: int = 1) -> tuple[list[Encoded], list]:
+                           world: int = 1, convs: tuple[list[Conversation], list[Conversation]] | None = None
+                           ) -> tuple[list[Encoded], list]:
     """The budget's training conversations encoded (input ids, answer mask), and its held-out ones (not encoded).
     With train.answers=target the answers are the target's own, generated once into `root` (resumable; under
-    torchrun rank r answers conversations i = r mod world)."""
-    train_convs, val_convs = budget_conversations(cfg)
+    torchrun rank r answers conversations i = r mod world). `convs`: budget_conversations(cfg) when the caller has
+    read it already (the Trainer, before the target loads), so the conversation file is parsed once."""
+    train_convs, val_convs = convs or budget_conversations(cfg)
     if cfg.answers != "target":
         return [e for c in train_convs if (e := encode(c, target.tokenizer, model_cfg.system_prompt, cfg.max_len))], \
             val_convs
@@ -239,7 +241,7 @@ def target_inputs(batch: Batch, target: TargetModel, kv: bool, layers: tuple[int
 
 
 def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConfig, kv: bool, rank: int,
-                     world: int = 1):
+                     world: int = 1, convs: tuple[list[Conversation], list[Conversation]] | None = None):
     """Train and validation FeatureSets (resumable), shared by every drafter. Under torchrun each rank writes its
     share of the self-distilled answers (conversation i on rank i mod world), then every rank extracts its share of
     the training shards; rank 0 alone the small validation set. Stored K/V only with `kv` (train.kv_features=stored: MoA's otherwise come online)."""
@@ -250,7 +252,7 @@ def prepare_features(target: TargetModel, cfg: TrainConfig, model_cfg: ModelConf
         pass
     # the answers do not depend on whether K/V are stored: one file for both (stored K/V regenerated them, ~15 min)
     enc, val_convs = training_conversations(target, cfg, model_cfg, features_root(target, cfg, model_cfg, kv=False),
-                                            rank, world)
+                                            rank, world, convs)
     if rank == 0 and not (root / "train" / "manifest.json").is_file():
         check_free_space(root, enc, target, cfg, kv)
     train = extract(target, enc, root / "train", cfg.features_dtype, cfg.features_shard, kv=kv, desc="train features",
@@ -465,7 +467,9 @@ class Trainer:
         check_noise(self.tc.noise)
         if self.tc.grad_clip_mode not in ("value", "norm"):
             raise SpecbenchError(f"train.grad_clip_mode={self.tc.grad_clip_mode!r} is not one of value, norm")
-        budget_conversations(self.tc)  # a bad train.subset, or too few conversations for it, before the target loads
+        # a bad train.subset, or too few conversations for it, fails here, before the target loads; kept for the
+        # features (parsing ShareGPT's file takes seconds)
+        self.convs = budget_conversations(self.tc)
         self.model_cfg: ModelConfig = to_dataclass(ModelConfig, cfg.model)
         self.cls = get_class(cfg.drafter._target_)
         if not (isinstance(self.cls, type) and issubclass(self.cls, TrainableDrafter)):
@@ -508,7 +512,7 @@ class Trainer:
         stored_kv = needs_kv and tc.kv_features == "stored"
         self.online_kv = needs_kv and not stored_kv
         train_set, val_set = prepare_features(self.target, tc, self.model_cfg, kv=stored_kv, rank=self.rank,
-                                              world=self.world)
+                                              world=self.world, convs=self.convs)
         counts = token_counts(train_set, self.target.vocab_size)  # answer tokens (EAGLE-3's vocabulary)
         sized = self.cls.fit_options(self.opts, counts)  # deterministic in the data: the same on resume
         if sized:
