@@ -96,7 +96,7 @@ def test_tables_3_7_and_4_from_the_runs(tmp_path):
     _run(exp, "sd_5g", "sd_tree", deploy="client_server", link="5g", speed=2.5, needs=[], answered=[1, 1])
     written = client_server_report(exp, _table(), figure=True, scorer_for=_scorer, likelihood_for=_likelihood)
     assert {p.name for p in written} == {"table3.tiny.md", "table7.tiny.md", "table4.tiny.md", "table4.tiny.json",
-                                         "client_server.tiny.png"}
+                                         "table4.tiny.loglik.json", "client_server.tiny.png"}
     assert (exp / "client_server.tiny.pdf").is_file()
 
     t3 = (exp / "table3.tiny.md").read_text()
@@ -129,6 +129,27 @@ def test_tables_3_7_and_4_from_the_runs(tmp_path):
     assert ll["the target's own greedy continuation"] == ["0.00 (30)", "0.00 (20)"]
     executed = json.loads((exp / "table4.tiny.json").read_text())
     assert {(e["row"], e["B"], e["question"]) for e in executed if not e["passed"]} >= {("moa", "5", "0")}
+
+    # a re-render reads the kept log-likelihoods: the target is not run again, the table the same
+    first = (exp / "table4.tiny.md").read_text()
+
+    def no_target(head: dict):
+        raise AssertionError("the target was run again")
+    client_server_report(exp, _table(), figure=False, scorer_for=_scorer, likelihood_for=no_target)
+    assert (exp / "table4.tiny.md").read_text() == first
+    # a changed answer is computed afresh (and only it: the stand-in counts its calls)
+    calls = []
+
+    def counted(head: dict):
+        fn = _likelihood(head)
+        return lambda *a: calls.append(a) or fn(*a)
+    (exp / "moa_b10").rename(tmp_path / "moa_b10")
+    _run(exp, "moa_b10", "moa", deploy="client_server", cut=10, needs=MOA_NEEDS, cuts={"0": 10, "1": 11},
+         answers={"0": TARGET["0"][:12] + [97] * 8, "1": TARGET["1"]})
+    client_server_report(exp, _table(), figure=False, scorer_for=_scorer, likelihood_for=counted)
+    assert [c[0] for c in calls] == ["0"] and _rows((exp / "table4.tiny.md").read_text(), 3)["moa"][1] == "-0.42 (19)"
+    (exp / "moa_b10").rename(tmp_path / "moa_b10_changed")
+    (tmp_path / "moa_b10").rename(exp / "moa_b10")
 
     # without a scorer (no harness) the pass@1 cells stay missing, the finer score does not
     client_server_report(exp, _table(), figure=False, scorer_for=None, likelihood_for=None)

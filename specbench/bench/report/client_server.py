@@ -17,10 +17,12 @@ Tables 3, 4 and 7 mirrored from one sweep of drafter x split_case, and a figure 
   the cut, in context (one target forward per answer; the ceiling beside it: the same for the target's own greedy
   continuation), which still tells drafters apart where every client differs from the target at its first token.
   B = ∞ is the first link's run (no cut: the target's output).
-  Each executed answer is written to `<name>4.<model>.json` (question, B, passed, result).
+  Each executed answer is written to `<name>4.<model>.json` (question, B, passed, result), and each log-likelihood to
+  `<name>4.<model>.loglik.json` (CachedLikelihood), which a re-render reads instead of running the target again.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -232,6 +234,34 @@ def target_likelihood(head: dict) -> Likelihood:
     return loglik
 
 
+class CachedLikelihood:
+    """Table 4's log-likelihoods kept beside it, keyed by (model, dataset, question, the answer's ids, cut): re-rendering
+    from results/ alone reads them instead of running the target (one forward per answer, minutes on a CPU); an
+    answer not in the file (a new or changed record) is computed, the target loaded only then. `save` writes the
+    ones this render used."""
+
+    def __init__(self, path: Path, make: Callable[[], Likelihood], scope: tuple[str, str]):
+        self.path, self.make, self.scope = path, make, scope
+        self.known: dict[str, list] = json.loads(path.read_text()) if path.is_file() else {}
+        self.used: dict[str, list] = {}
+        self.fn: Likelihood | None = None
+
+    def __call__(self, question_id: str, ids: list[int], cut: int) -> tuple[float, int]:
+        key = hashlib.sha256(json.dumps([*self.scope, question_id, ids, cut]).encode()).hexdigest()[:24]
+        if key not in self.known:
+            self.fn = self.fn or self.make()
+            self.known[key] = list(self.fn(question_id, ids, cut))
+        self.used[key] = self.known[key]
+        lp, n = self.used[key]
+        return float(lp), int(n)
+
+    def save(self) -> Path | None:
+        if not self.used:
+            return None
+        self.path.write_text(json.dumps(self.used, indent=0, sort_keys=True) + "\n")
+        return self.path
+
+
 def table4(exp_dir: Path, t: ClientServerTable, cells: dict, scorer: Scorer | None,
            likelihood: Likelihood | None = None) -> tuple[list[str], list[dict]]:
     """Table 4's lines, and each executed answer (question, row, B, passed, result)."""
@@ -361,9 +391,16 @@ def client_server_report(exp_dir: Path, t: ClientServerTable, figure: bool,
         base = cells.get(("none", t.dataset, LOCAL))
         scorer = scorer_for(base["_head"]) if scorer_for and base else None
         has_cuts = any(k[2].startswith("B=") for k in cells)
-        likelihood = likelihood_for(base["_head"]) if likelihood_for and base and has_cuts else None
+        likelihood = None
+        if likelihood_for and base and has_cuts:
+            cfg = base["_head"]["config"]
+            likelihood = CachedLikelihood(exp_dir / f"{t.name}4.{stem}.loglik.json",
+                                          lambda: likelihood_for(base["_head"]),
+                                          (cfg["model"]["name"], cfg["dataset"]["name"]))
         lines, executed = table4(exp_dir, t, cells, scorer, likelihood)
         written.append(write_md(exp_dir / f"{t.name}4.{stem}.md", lines))
+        if likelihood is not None and (path := likelihood.save()):
+            written.append(path)
         if executed:
             path = exp_dir / f"{t.name}4.{stem}.json"
             path.write_text(json.dumps(executed, indent=1, sort_keys=True) + "\n")
