@@ -118,9 +118,11 @@ perf-drafters: setup
 SCALING_DRAFTERS ?= eagle eagle3 hass moa
 SCALING_SUBSETS ?= 200 400 800
 SEED ?= 0
+# SCALING_CKPT: where each point's checkpoints live (a run resumes from there)
+SCALING_CKPT ?= checkpoints/scaling
 train-scaling: setup
 	set -e; for n in $(SCALING_SUBSETS); do for d in $(SCALING_DRAFTERS); do \
-		p=n$${n}$(if $(filter 0,$(SEED)),,_seed$(SEED)); ck=checkpoints/scaling/$$p; \
+		p=n$${n}$(if $(filter 0,$(SEED)),,_seed$(SEED)); ck=$(SCALING_CKPT)/$$p; \
 		$(TRAIN_CMD) drafter=$$d model=$(MODEL) train=$(TRAIN) train.subset=$$n train.seed=$(SEED) train.out_dir=$$ck $(ARGS); \
 		mkdir -p results/train_scaling/$(MODEL)/$$d/$$p weights/$(MODEL)/scaling/$$p; \
 		cp $$ck/$(MODEL)/$$d/log.jsonl $$ck/$(MODEL)/$$d/final/config.json results/train_scaling/$(MODEL)/$$d/$$p/; \
