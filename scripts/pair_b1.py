@@ -82,6 +82,8 @@ def main() -> None:
                     "operators whose calls differ or whose self time differs by over 20 ms")
     args = ap.parse_args()
     this, other = Path(__file__).resolve().parents[1], args.other.resolve()
+    if args.pairs < 1:
+        sys.exit(f"--pairs {args.pairs}: at least one counted pair")
     if not (other / "specbench").is_dir():
         sys.exit(f"{other} is not a specbench source tree (no specbench/ in it)")
     runs = []
