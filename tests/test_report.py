@@ -659,6 +659,31 @@ def test_the_trend_line_its_error_and_where_the_gap_would_flip():
     assert said.startswith("flips near n ≈ ") and "at ±1 s.e.: n ≈ " in said
 
 
+def test_each_gap_has_a_turn_jackknife_error_and_the_slope_takes_the_larger_error():
+    """The trend table's errors: a gap's standard error by leaving out one decoded turn at a time (the same turns for
+    both methods: paired), none where a run kept no turns; the slope's error the larger of the residuals' and the one
+    the points' errors propagate (two points on a line have no residual but still an error)."""
+    from specbench.bench.report.scaling import Measured, fit, gap_with_error, trend_table
+
+    def m(drafter, n, turns):
+        return Measured(drafter, n, 0, "gsm8k", sum(t for _, t, _ in turns) / sum(s for _, _, s in turns), True,
+                        tuple(turns))
+
+    # tli1: 20 tokens in 15 steps; moa: 20 in 10. Without a: 1 - 2 = -1; without b: 2 - 2 = 0.
+    runs = [m("moa_tli1", 200, [("a", 10, 5), ("b", 10, 10)]), m("moa", 200, [("a", 10, 5), ("b", 10, 5)])]
+    gap, se = gap_with_error(runs, "moa_tli1", "moa", ["gsm8k"])
+    assert math.isclose(gap, 20 / 15 - 2) and math.isclose(se, 0.5)  # sqrt(1/2 · (0.5² + 0.5²))
+    assert gap_with_error([Measured("moa_tli1", 200, 0, "gsm8k", 1.5, True), runs[1]], "moa_tli1", "moa",
+                          ["gsm8k"]) == (1.5 - 2, None)  # no turns kept: no error
+    later = [m("moa_tli1", 400, [("a", 10, 5), ("b", 10, 5)]), m("moa", 400, [("a", 10, 5), ("b", 10, 5)])]
+    row, = [ln for ln in trend_table(runs + later, [200, 400], ["gsm8k"]) if ln.startswith("| moa_tli1")]
+    assert row.startswith("| moa_tli1 > moa | -0.67 ± 0.50 | +0.00 ± 0.00 | +0.667 ± 0.500 | ")
+    two = fit([200, 400], [0.0, 0.1], [0.1, 0.1])  # Var = (0.25 · 0.01 + 0.25 · 0.01) / 0.5² = 0.02
+    assert math.isclose(two.se, math.sqrt(0.02))
+    straight = fit([200, 400, 800], [0.0, 0.1, 0.2], [0.1, 0.0, 0.1])  # on the line: the errors' alone, (0.01 + 0.01) / 2²
+    assert math.isclose(straight.se, math.sqrt(0.005)) and fit([200, 400, 800], [0.0, 0.3, 0.2], [0.0] * 3).se > 0
+
+
 def test_the_scaling_report_reads_each_ordering_as_a_gap_against_data(tmp_path):
     """The trend table: per ORDERINGS pair the gap in measured τ (the mean over the datasets) at each n both decoded,
     the slope per doubling and the extrapolation; a pair with one common n says so; a pair never decoded is left out."""

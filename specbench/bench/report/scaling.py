@@ -9,16 +9,18 @@ Measured τ (`make train-scaling-tau`): results/train_scaling_tau/<run>/{run.jso
 back from its drafter.checkpoint (weights/<model>/scaling/<point>/<drafter>, or weights/<model>/<drafter>: the 1x
 point).
 The trend table reads each ordering the papers claim and this budget reverses (ORDERINGS) as the gap in measured τ,
-the method's less the other's (the mean over the decoded datasets), against log2 of the conversations: a least-squares
-line gives the change per doubling, its standard error, and where the gap's sign would flip if the line held, an
-extrapolation said as one."""
+the method's less the other's (the mean over the decoded datasets), each with its standard error over the decoded
+turns (a delete-one-turn jackknife: a handful of questions decodes each point, and the turns are the same for every
+method, so the gap is paired), against log2 of the conversations: a least-squares line gives the change per doubling,
+its standard error (the larger of the points' scatter about the line and what their own errors imply), and where the
+gap's sign would flip if the line held, an extrapolation said as one."""
 from __future__ import annotations
 
 import json
 import math
 import re
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specbench.bench.report import style
@@ -50,6 +52,9 @@ class Measured:
     dataset: str
     tau: float  # tau_micro, as Table 2's τ column
     lossless: bool | None
+    # each decoded turn (question_id/turn/repeat, its steps' tokens, its steps), from records.jsonl: the jackknife's
+    # units; empty where the run kept no records (no standard error then)
+    turns: tuple[tuple[str, int, int], ...] = ()
 
 
 def measured(root: Path, model: str) -> list[Measured]:
@@ -62,8 +67,11 @@ def measured(root: Path, model: str) -> list[Measured]:
         if config["model"]["name"] != model or not ck or (m := CHECKPOINT.search(str(ck))) is None:
             continue  # the baseline runs (no checkpoint)
         point = POINT.match(m["point"]) if m["point"] else None
+        records = summary.parent / "records.jsonl"
+        turns = tuple((f"{r['question_id']}/{r['turn']}/{r.get('repeat', 0)}", sum(r["tokens_per_step"]), r["steps"])
+                      for r in (read_jsonl(records) if records.is_file() else []))
         out.append(Measured(m["drafter"], int(point["n"]) if point else None, int(point["seed"] or 0) if point else 0,
-                            config["dataset"]["name"], s["tau_micro"], _lossless(s.get("lossless"))))
+                            config["dataset"]["name"], s["tau_micro"], _lossless(s.get("lossless")), turns))
     return out
 
 
@@ -78,21 +86,28 @@ class Line:
 
     slope: float  # per doubling of the conversations
     intercept: float
-    se: float | None  # the slope's standard error; None with two points (no residual left)
+    se: float | None  # the slope's standard error; None with two points and no errors given (no residual left)
 
     def at(self, n: float) -> float:
         return self.intercept + self.slope * math.log2(n)
 
 
-def fit(ns: list[int], gaps: list[float]) -> Line:
-    """The least-squares line through (log2 n, gap); at least two distinct n."""
+def fit(ns: list[int], gaps: list[float], errors: list[float] | None = None) -> Line:
+    """The least-squares line through (log2 n, gap); at least two distinct n. The slope's standard error is the larger
+    of the one from the residuals (three points or more) and the one the points' own standard errors (`errors`)
+    propagate to the slope, Var = sum((x - mean x)^2 err^2) / Sxx^2: five points can lie closer to a line than their
+    errors allow, and a residual estimate from three degrees of freedom is itself loose."""
     xs = [math.log2(n) for n in ns]
     slope, intercept = statistics.linear_regression(xs, gaps)
-    if len(xs) < 3:
-        return Line(slope, intercept, None)
-    rss = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, gaps, strict=True))
-    sxx = sum((x - statistics.fmean(xs)) ** 2 for x in xs)
-    return Line(slope, intercept, math.sqrt(rss / (len(xs) - 2) / sxx))
+    mx = statistics.fmean(xs)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    variances = []
+    if len(xs) >= 3:
+        rss = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, gaps, strict=True))
+        variances.append(rss / (len(xs) - 2) / sxx)
+    if errors is not None:
+        variances.append(sum((x - mx) ** 2 * e ** 2 for x, e in zip(xs, errors, strict=True)) / sxx ** 2)
+    return Line(slope, intercept, math.sqrt(max(variances)) if variances else None)
 
 
 def flip(line: Line, last_n: int) -> float | None:
@@ -149,20 +164,55 @@ def points(root: Path, training: Path, model: str) -> list[Point]:
     return out
 
 
+def _tau(run: Measured, drop: tuple[str, str] | None) -> float:
+    """The run's τ (tokens over steps), without the turn `drop` = (dataset, turn key) if it is one of the run's."""
+    if drop is None or drop[0] != run.dataset:
+        return run.tau
+    kept = [(tokens, steps) for key, tokens, steps in run.turns if key != drop[1]]
+    return sum(t for t, _ in kept) / sum(s for _, s in kept)
+
+
+def gap_with_error(runs: list[Measured], method: str, other: str, datasets: list[str]) -> tuple[float, float | None]:
+    """The gap in measured τ, method less other (each the mean over `datasets` of its seeds' mean), from the runs of
+    one n, and its standard error by a delete-one-turn jackknife over the turns every run decoded (None where a run
+    kept no turns, or with fewer than two)."""
+    def tau(drafter: str, drop: tuple[str, str] | None = None) -> float:
+        return statistics.fmean(statistics.fmean(_tau(t, drop) for t in runs if (t.drafter, t.dataset) == (drafter, d))
+                                for d in datasets)
+
+    def gap(drop: tuple[str, str] | None = None) -> float:
+        return tau(method, drop) - tau(other, drop)
+
+    mine = [t for t in runs if t.drafter in (method, other)]
+    if not all(t.turns for t in mine):
+        return gap(), None
+    keys = [(d, key) for d in datasets for key in sorted(set.intersection(
+        *({k for k, _, _ in t.turns} for t in mine if t.dataset == d)))]
+    if len(keys) < 2:
+        return gap(), None
+    left_out = [gap(k) for k in keys]
+    mean = statistics.fmean(left_out)
+    return gap(), math.sqrt((len(keys) - 1) / len(keys) * sum((g - mean) ** 2 for g in left_out))
+
+
 def trend_table(decoded: list[Measured], sizes: list[int], datasets: list[str]) -> list[str]:
-    """The ORDERINGS' gaps in measured τ per n, the line through them and its extrapolation -> markdown lines."""
-    def tau(drafter: str, n: int) -> float | None:  # the mean over the datasets of the seeds' mean; all datasets
-        per = [[t.tau for t in decoded if (t.drafter, t.conversations, t.dataset) == (drafter, n, d)] for d in datasets]
-        return statistics.fmean(statistics.fmean(v) for v in per) if all(per) else None
+    """The ORDERINGS' gaps in measured τ per n (± their jackknife errors), the line through them and its
+    extrapolation -> markdown lines."""
+    def both(drafter: str, n: int) -> bool:  # decoded on every dataset at n
+        return all(any((t.drafter, t.conversations, t.dataset) == (drafter, n, d) for t in decoded) for d in datasets)
 
     rows = []
     for method, other in ORDERINGS:
-        gaps = {n: a - b for n in sizes if (a := tau(method, n)) is not None and (b := tau(other, n)) is not None}
-        if not gaps:
+        at = {n: gap_with_error([t for t in decoded if t.conversations == n], method, other, datasets)
+              for n in sizes if both(method, n) and both(other, n)}
+        if not at:
             continue
-        cells = [f"{gaps[n]:+.2f}" if n in gaps else "–" for n in sizes]
+        gaps = {n: g for n, (g, _) in at.items()}
+        errors = [e for _, e in at.values()]
+        cells = [("–" if n not in at else f"{at[n][0]:+.2f}" + (f" ± {at[n][1]:.2f}" if at[n][1] is not None else ""))
+                 for n in sizes]
         if len(gaps) > 1:
-            line = fit(list(gaps), list(gaps.values()))
+            line = fit(list(gaps), list(gaps.values()), errors if None not in errors else None)
             per = f"{line.slope:+.3f}" + (f" ± {line.se:.3f}" if line.se is not None else "")
             said = extrapolation(line, max(gaps))
         else:
@@ -172,9 +222,11 @@ def trend_table(decoded: list[Measured], sizes: list[int], datasets: list[str]) 
         return []
     names = " and ".join(style.dataset_name(d) for d in datasets)
     return ["", f"**The papers' orderings against data: the gap in measured τ (the method's less the other's, the mean "
-            f"of {names}) at each n, its change per doubling of the conversations (a least-squares line in log2 n, ± "
-            f"the slope's standard error), and the n at which its sign would flip if that line held: an "
-            f"extrapolation, not a measurement. `eagle` is the head `eagle2` decodes.**", "",
+            f"of {names}) at each n, ± its standard error over the decoded turns (a delete-one-turn jackknife; every "
+            f"method decodes the same turns), its change per doubling of the conversations (a least-squares line in "
+            f"log2 n, ± the slope's standard error: the larger of the points' scatter about the line and what their "
+            f"own errors imply), and the n at which its sign would flip if that line held: an extrapolation, not a "
+            f"measurement. `eagle` is the head `eagle2` decodes.**", "",
             "| ordering (the paper's) | " + " | ".join(f"{n} conv." for n in sizes) + " | per doubling | if the line "
             "held |", "|---|" + "---|" * len(sizes) + "---|---|", *rows]
 
@@ -189,8 +241,7 @@ def train_scaling(root: Path, training: Path) -> list[Path]:
         drafters = sorted({p.drafter for p in pts})
         decoded = measured(root.parent / "train_scaling_tau", model_dir.name)
         budget = max(json.loads(c.read_text())["train"]["conversations"] for c in model_dir.glob("*/*/config.json"))
-        decoded = [t if t.conversations is not None else Measured(t.drafter, budget, 0, t.dataset, t.tau, t.lossless)
-                   for t in decoded]
+        decoded = [t if t.conversations is not None else replace(t, conversations=budget) for t in decoded]
         datasets = sorted({t.dataset for t in decoded})
         sizes = sorted({p.conversations for p in pts} | {t.conversations for t in decoded})
         head = "| method | " + " | ".join(f"{n} conv. sim τ (0-α)" for n in sizes) + " |"
